@@ -1,0 +1,112 @@
+"""Estimator base class and the name registries behind value_estimator() / gradient_estimator()."""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from klbench.estimators.batch import KLBatch
+
+VALUE_ESTIMATORS: dict[str, type["Estimator"]] = {}
+GRADIENT_ESTIMATORS: dict[str, type["Estimator"]] = {}
+
+
+class Estimator:
+    """A callable `estimator(batch) -> Tensor[B]` with declared, validated options.
+
+    Subclasses set `name`, `defaults` (option -> default value) and implement `compute`.
+    """
+
+    name: ClassVar[str]
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, **options: Any) -> None:
+        unknown = sorted(set(options) - set(self.defaults))
+        if unknown:
+            valid = ", ".join(sorted(self.defaults)) or "none"
+            raise ValueError(f"estimator {self.name!r} got unknown option(s) {unknown}; valid options: {valid}")
+        self.options = {**self.defaults, **options}
+        for key, value in self.options.items():
+            _check_option(self.name, key, value)
+
+    def __getattr__(self, key: str) -> Any:
+        options = self.__dict__.get("options", {})
+        if key in options:
+            return options[key]
+        raise AttributeError(key)
+
+    def __call__(self, batch: KLBatch):
+        if not isinstance(batch, KLBatch):
+            raise ValueError(f"estimator {self.name!r} expects a KLBatch, got {type(batch).__name__}")
+        return self.compute(batch)
+
+    def compute(self, batch: KLBatch):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"{type(self).__name__}({opts})"
+
+
+def _check_option(name: str, key: str, value: Any) -> None:
+    if key == "lam" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+        raise ValueError(f"estimator {name!r}: lam must be a finite number, got {value!r}")
+    if key == "level" and value not in ("token", "sequence"):
+        raise ValueError(f"estimator {name!r}: level must be 'token' or 'sequence', got {value!r}")
+    if key == "clamp" and value is not None and not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"estimator {name!r}: clamp must be None or a positive number, got {value!r}")
+
+
+def register(registry: dict[str, type[Estimator]]):
+    def add(cls: type[Estimator]) -> type[Estimator]:
+        registry[cls.name] = cls
+        return cls
+    return add
+
+
+def _lookup(registry: dict[str, type[Estimator]], kind: str, name: str) -> type[Estimator]:
+    if name not in registry:
+        raise ValueError(f"unknown {kind} estimator {name!r}; valid names: {', '.join(registry)}")
+    return registry[name]
+
+
+def value_estimator(name: str, **options: Any) -> Estimator:
+    """Build a value estimator: `est(batch) -> Tensor[B]`, a detached estimate of KL(pi || pi_ref) per sequence."""
+    return _lookup(VALUE_ESTIMATORS, "value", name)(**options)
+
+
+def gradient_estimator(name: str, **options: Any) -> Estimator:
+    """Build a gradient estimator: `est(batch) -> Tensor[B]` surrogate; autograd of its mean is one gradient sample."""
+    return _lookup(GRADIENT_ESTIMATORS, "gradient", name)(**options)
+
+
+# ---- small tensor helpers shared by values and gradients ----
+
+def seq_sum(x: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B]: inputs are already zero off the mask."""
+    return x.sum(-1)
+
+
+def reward_to_go(x: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B, T]: sum_{s >= t} x_s."""
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
+def control_variate(batch: KLBatch, lam: float, level: str, clamp: float | None):
+    """rho + lam * (exp(-rho) - 1) per token or per sequence, summed to [B]; differentiable.
+
+    Returns (value [B], n_clamped or None). Clamping (verl-style, on the estimate) happens only if asked.
+    """
+    rho = batch.rho  # [B, T], zero off the mask, so expm1(-0) = 0 adds nothing there
+    if level == "token":
+        terms, live = rho + lam * torch.expm1(-rho), batch.mask  # [B, T]
+    else:
+        r = seq_sum(rho)  # [B]
+        terms, live = r + lam * torch.expm1(-r), torch.ones_like(r, dtype=torch.bool)
+    n_clamped = None
+    if clamp is not None:
+        n_clamped = int(((terms.abs() > clamp) & live).sum())
+        terms = terms.clamp(-clamp, clamp)
+    value = seq_sum(terms) if level == "token" else terms
+    return value, n_clamped

@@ -1,0 +1,104 @@
+"""KLBatch: the one input every estimator reads, validated once at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from klbench.estimators.chunked import exact_token_kl
+
+
+@dataclass
+class KLBatch:
+    """Sampled responses scored by the policy pi and the frozen reference pi_ref.
+
+    logp:       [B, T] log pi(y_t | y_<t) of the sampled tokens, differentiable
+    ref_logp:   [B, T] log pi_ref(y_t | y_<t); must not require grad (pi_ref is frozen)
+    mask:       [B, T] bool, True on real response tokens (EOS included, padding after it False)
+    logits:     [B, T, V] optional next-token logits of pi at the same positions (rb needs them)
+    ref_logits: [B, T, V] optional next-token logits of pi_ref
+    group:      [B] optional int prompt ids; samples of one prompt share an id (loo needs them)
+    chunk_rows: rows of [rows, V] float32 that the exact per-position KL materialises at once
+    """
+
+    logp: torch.Tensor
+    ref_logp: torch.Tensor
+    mask: torch.Tensor
+    logits: torch.Tensor | None = None
+    ref_logits: torch.Tensor | None = None
+    group: torch.Tensor | None = None
+    chunk_rows: int = 256
+    _kappa: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("logp", "ref_logp", "mask"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise ValueError(f"KLBatch.{name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
+        if self.logp.dim() != 2:
+            raise ValueError(f"KLBatch.logp must be [B, T], got shape {tuple(self.logp.shape)}")
+        shape = self.logp.shape
+        for name in ("ref_logp", "mask"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(
+                    f"KLBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {tuple(shape)} like logp"
+                )
+        if self.mask.dtype != torch.bool:
+            raise ValueError(f"KLBatch.mask must be bool, got {self.mask.dtype}")
+        if not self.logp.is_floating_point():
+            raise ValueError(f"KLBatch.logp must be floating point, got {self.logp.dtype}")
+        if self.ref_logp.dtype != self.logp.dtype:
+            raise ValueError(f"KLBatch.ref_logp has dtype {self.ref_logp.dtype}, logp has {self.logp.dtype}")
+        if self.ref_logp.requires_grad:
+            raise ValueError("KLBatch.ref_logp requires grad, but pi_ref is frozen: compute it under torch.no_grad()")
+        for name in ("logp", "ref_logp"):
+            if not torch.isfinite(getattr(self, name)[self.mask]).all():
+                raise ValueError(f"KLBatch.{name} has non-finite values on masked-in tokens")
+        if (self.logits is None) != (self.ref_logits is None):
+            raise ValueError("KLBatch.logits and KLBatch.ref_logits must be given together")
+        if self.logits is not None:
+            self._check_logits()
+        if self.group is not None:
+            if self.group.shape != shape[:1] or self.group.is_floating_point() or self.group.dtype == torch.bool:
+                raise ValueError(f"KLBatch.group must be an int tensor of shape [{shape[0]}], got "
+                                 f"{self.group.dtype} {tuple(self.group.shape)}")
+        if self.chunk_rows < 1:
+            raise ValueError(f"KLBatch.chunk_rows must be >= 1, got {self.chunk_rows}")
+
+    def _check_logits(self) -> None:
+        B, T = self.logp.shape
+        for name in ("logits", "ref_logits"):
+            t = getattr(self, name)
+            if t.dim() != 3 or t.shape[:2] != (B, T):
+                raise ValueError(f"KLBatch.{name} must be [B, T, V] = [{B}, {T}, V], got {tuple(t.shape)}")
+            if not t.is_floating_point():
+                raise ValueError(f"KLBatch.{name} must be floating point, got {t.dtype}")
+        if self.logits.shape != self.ref_logits.shape:
+            raise ValueError(f"KLBatch.logits {tuple(self.logits.shape)} and ref_logits "
+                             f"{tuple(self.ref_logits.shape)} differ: policy and reference vocabularies must match")
+        if self.ref_logits.requires_grad:
+            raise ValueError("KLBatch.ref_logits requires grad, but pi_ref is frozen: compute it under torch.no_grad()")
+
+    # ---- derived quantities, masked so that padding never reaches arithmetic ----
+
+    @property
+    def rho(self) -> torch.Tensor:
+        """[B, T] token log-ratio l_t - log pi_ref(y_t|y_<t), zero off the mask, differentiable."""
+        zero = torch.zeros((), dtype=self.logp.dtype, device=self.logp.device)
+        return torch.where(self.mask, self.logp, zero) - torch.where(self.mask, self.ref_logp, zero)
+
+    @property
+    def masked_logp(self) -> torch.Tensor:
+        """[B, T] l_t with zeros off the mask (so -inf padding cannot turn a gradient into NaN)."""
+        return torch.where(self.mask, self.logp, torch.zeros((), dtype=self.logp.dtype, device=self.logp.device))
+
+    @property
+    def kappa(self) -> torch.Tensor:
+        """[B, T] exact per-position KL(pi(.|y_<t) || pi_ref(.|y_<t)), differentiable in logits, 0 off the mask.
+
+        Computed once per batch in row chunks, so value and gradient estimators share it.
+        """
+        if self.logits is None:
+            raise ValueError("rb needs the full next-token distributions: build KLBatch with logits= and ref_logits=")
+        if self._kappa is None:
+            self._kappa = exact_token_kl(self.logits, self.ref_logits, self.mask, self.chunk_rows).to(self.logp.dtype)
+        return self._kappa

@@ -1,0 +1,120 @@
+"""Gradient estimators: a surrogate per sequence whose autograd is one sample of a gradient.
+
+Each docstring states the surrogate and its expected gradient over y ~ pi; the tabular
+tests check those statements exactly. naive_mc and naive_cv are wrong on purpose.
+"""
+from __future__ import annotations
+
+import torch
+
+from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimator, control_variate, register, reward_to_go,
+                                     seq_sum)
+from klbench.estimators.batch import KLBatch
+
+gradient = register(GRADIENT_ESTIMATORS)
+
+
+@gradient
+class NaiveMC(Estimator):
+    """naive_mc: autodiff through k1, L = sum_t rho_t. Expected gradient: ZERO (pitfall 1).
+
+    E_pi[grad log pi(y)] = 0, so this only adds noise: it never regularises.
+    """
+
+    name = "naive_mc"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        return seq_sum(batch.rho)
+
+
+@gradient
+class NaiveCV(Estimator):
+    """naive_cv: autodiff through cv with multiplier lam (pitfall 2: the wrong KL direction).
+
+    level="sequence": L = rho + lam (exp(-rho) - 1); expected gradient lam * grad kl_ref_pi = lam * grad KL(pi_ref || pi).
+    level="token":    L = sum_t [rho_t + lam (exp(-rho_t) - 1)]; expected gradient
+                      lam * E_y[sum_t grad KL(pi_ref(.|y_<t) || pi(.|y_<t))], prefix held fixed.
+    level="token", lam=1 is the GRPO / verl low_var_kl / OpenRLHF k3 loss. With clamp=c the call
+    returns (surrogate, n_clamped).
+    """
+
+    name = "naive_cv"
+    defaults = {"lam": 1.0, "level": "token", "clamp": None}
+
+    def compute(self, batch: KLBatch):
+        v, n_clamped = control_variate(batch, self.lam, self.level, self.clamp)
+        return v if n_clamped is None else (v, n_clamped)
+
+
+@gradient
+class Token(Estimator):
+    """token: L = sum_t sg(rho_t) l_t (same gradient as autodiff of k2). Pitfall 3: a partial gradient.
+
+    Expected gradient: E_y[sum_t grad KL(pi(.|y_<t) || pi_ref(.|y_<t))] with the prefix held fixed;
+    it misses how y_t changes the later positions' KL.
+    """
+
+    name = "token"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        return seq_sum(batch.rho.detach() * batch.masked_logp)
+
+
+@gradient
+class Seq(Estimator):
+    """seq: L = sg(rho) sum_t l_t (REINFORCE with the sequence log-ratio). Expected gradient: grad kl_pi_ref."""
+
+    name = "seq"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        return seq_sum(batch.rho.detach()) * seq_sum(batch.masked_logp)
+
+
+@gradient
+class Cumulative(Estimator):
+    """cumulative: L = sum_t sg(sum_{s>=t} rho_s) l_t. Expected gradient: grad kl_pi_ref, lower variance than seq.
+
+    l_t only multiplies the log-ratios that y_t can influence (s >= t), dropping pure-noise terms of seq.
+    """
+
+    name = "cumulative"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        return seq_sum(reward_to_go(batch.rho.detach()) * batch.masked_logp)
+
+
+@gradient
+class LOO(Estimator):
+    """loo: L_i = sg(rho_i - mean_{j != i, same prompt} rho_j) sum_t l_{t,i}. Expected gradient: grad kl_pi_ref.
+
+    Needs `group` in the batch and at least 2 samples per prompt.
+    """
+
+    name = "loo"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        if batch.group is None:
+            raise ValueError("loo needs KLBatch.group: prompt ids, with n >= 2 samples per prompt")
+        _, inverse, counts = torch.unique(batch.group, return_inverse=True, return_counts=True)
+        if (counts < 2).any():
+            raise ValueError(f"loo needs n >= 2 samples per prompt; group sizes found: {sorted(set(counts.tolist()))}")
+        r = seq_sum(batch.rho.detach())  # [B]
+        totals = torch.zeros(len(counts), dtype=r.dtype, device=r.device).index_add_(0, inverse, r)  # [G]
+        baseline = (totals[inverse] - r) / (counts[inverse] - 1).to(r.dtype)  # [B]
+        return (r - baseline) * seq_sum(batch.masked_logp)
+
+
+@gradient
+class RB(Estimator):
+    """rb: L = sum_t kappa_t + sum_t sg(sum_{s>t} kappa_s) l_t. Expected gradient: grad kl_pi_ref, lowest variance.
+
+    KL = E_y[sum_t kappa_t(y_<t)]: the first sum is the path-wise part (prefix fixed), the second the
+    score-function part for the prefix, with a future-only reward-to-go of the exact per-position KL.
+    """
+
+    name = "rb"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        kappa = batch.kappa  # [B, T], differentiable through logits
+        future = reward_to_go(kappa.detach()) - kappa.detach()  # [B, T]: sum_{s>t} kappa_s
+        return seq_sum(kappa) + seq_sum(future * batch.masked_logp)

@@ -1,0 +1,83 @@
+"""Value estimators: a detached number per sampled sequence whose mean estimates KL(pi || pi_ref)."""
+from __future__ import annotations
+
+import torch
+
+from klbench.estimators.base import VALUE_ESTIMATORS, Estimator, control_variate, register, seq_sum
+from klbench.estimators.batch import KLBatch
+
+value = register(VALUE_ESTIMATORS)
+
+
+@value
+class MC(Estimator):
+    """mc (Schulman's k1): rho = sum_t rho_t. Unbiased; a single sample can be negative."""
+
+    name = "mc"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        return seq_sum(batch.rho).detach()
+
+
+@value
+class K2(Estimator):
+    """k2: 1/2 sum_t rho_t^2. Biased; this is what "mse" KL losses use."""
+
+    name = "k2"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        return 0.5 * seq_sum(batch.rho.detach() ** 2)
+
+
+@value
+class CV(Estimator):
+    """cv: control variate with multiplier lam. Unbiased because E_pi[exp(-rho) - 1] = 0.
+
+    level="token":    sum_t [rho_t + lam (exp(-rho_t) - 1)]   (lam=1 is Schulman's k3)
+    level="sequence": rho + lam (exp(-rho) - 1)
+    With clamp=c the estimate is clamped to [-c, c] (per token or per sequence) and the
+    call returns (values, n_clamped) so that every clamp that fires is visible.
+    """
+
+    name = "cv"
+    defaults = {"lam": 1.0, "level": "token", "clamp": None}
+
+    def compute(self, batch: KLBatch):
+        v, n_clamped = control_variate(batch, self.lam, self.level, self.clamp)
+        return v.detach() if n_clamped is None else (v.detach(), n_clamped)
+
+
+@value
+class CVOpt(Estimator):
+    """cv_opt: sequence-level cv with lam fitted on the batch to minimise variance (paper 001's optimal alpha).
+
+    lam* = -Cov(rho, e^-rho - 1) / Var(e^-rho - 1) over the batch (0 when that variance is 0, where every
+    lam gives the same estimate). Unbiased only asymptotically, since lam* depends on the same samples.
+    The fitted multiplier of the last call is kept in `.fitted_lam`.
+    """
+
+    name = "cv_opt"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        r = seq_sum(batch.rho.detach())  # [B]
+        if r.numel() < 2:
+            raise ValueError("cv_opt fits its multiplier on the batch and needs at least 2 sequences")
+        c = torch.expm1(-r)  # [B], zero-mean control variate under pi
+        c_centered = c - c.mean()
+        var = (c_centered ** 2).mean()
+        lam = -((r - r.mean()) * c_centered).mean() / var if var > 0 else torch.zeros_like(var)
+        self.fitted_lam = float(lam)
+        return r + lam * c
+
+
+@value
+class RB(Estimator):
+    """rb (Rao-Blackwellised): sum_t kappa_t, the exact per-position KL over the vocabulary.
+
+    Unbiased, never negative, variance <= mc. Needs logits and ref_logits in the batch.
+    """
+
+    name = "rb"
+
+    def compute(self, batch: KLBatch) -> torch.Tensor:
+        return seq_sum(batch.kappa).detach()
