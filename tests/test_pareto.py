@@ -1,0 +1,189 @@
+"""Pareto analysis: the frontier definition (ties included), share, hypervolume, the plot, and the MLflow
+round trip (collect child runs of a sweep, log to its parent, the klbench-pareto command) on a real
+SQLite store."""
+import csv
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from klbench.pareto import (collect_runs, frontier_share, hypervolume, log_pareto, main, non_dominated,
+                            plot_pareto)
+from klbench.tabular import Frontier
+
+
+def brute_force(rewards, kls):
+    n = len(rewards)
+    return np.array([not any(rewards[j] >= rewards[i] and kls[j] <= kls[i]
+                             and (rewards[j] > rewards[i] or kls[j] < kls[i]) for j in range(n))
+                     for i in range(n)])
+
+
+def test_non_dominated_hand_made():
+    #        A    B    C    D    E
+    r = [1.0, 2.0, 3.0, 1.0, 0.5]
+    k = [1.0, 3.0, 2.0, 0.0, 0.0]
+    # C dominates B (more reward, less KL); D dominates A (same reward, less KL) and E (same KL, more reward)
+    assert non_dominated(r, k).tolist() == [False, False, True, True, False]
+
+
+def test_non_dominated_ties():
+    # exact duplicates of a frontier point are all kept; a duplicated dominated point stays dominated
+    r, k = [1.0, 1.0, 2.0, 0.5, 0.5], [1.0, 1.0, 2.0, 1.5, 1.5]
+    assert non_dominated(r, k).tolist() == [True, True, True, False, False]
+    assert non_dominated([3.0], [7.0]).tolist() == [True]
+    assert non_dominated([], []).tolist() == []
+
+
+def test_non_dominated_matches_definition_and_ignores_order():
+    rng = random.Random(0)
+    for _ in range(50):  # a coarse grid makes ties on one or both axes common
+        r = [float(rng.randint(0, 4)) for _ in range(12)]
+        k = [float(rng.randint(0, 4)) for _ in range(12)]
+        mask = non_dominated(r, k)
+        assert mask.tolist() == brute_force(r, k).tolist()
+        perm = list(range(12))
+        rng.shuffle(perm)
+        assert non_dominated([r[i] for i in perm], [k[i] for i in perm]).tolist() == [mask[i] for i in perm]
+
+
+def test_non_dominated_rejects_nan():
+    with pytest.raises(ValueError, match="finite"):
+        non_dominated([1.0, float("nan")], [1.0, 2.0])
+
+
+def test_frontier_share():
+    share = frontier_share(["rb", "mc", "rb", "rb", "mc", "seq"], [True, True, True, True, False, False])
+    assert share == {"mc": 0.25, "rb": 0.75, "seq": 0.0}
+    assert sum(share.values()) == pytest.approx(1.0)
+
+
+def test_hypervolume_hand_computed():
+    ref = (0.0, 10.0)
+    # frontier (kl, reward) = (1, 1), (3, 2), (6, 3): strips [1,3]x1 + [3,6]x2 + [6,10]x3 = 2 + 6 + 12
+    r, k = [1.0, 2.0, 3.0], [1.0, 3.0, 6.0]
+    assert hypervolume(r, k, ref) == pytest.approx(20.0)
+    # a dominated point, one below the reference reward and one beyond the reference KL add nothing
+    assert hypervolume(r + [1.5, -1.0, 5.0], k + [4.0, 0.5, 12.0], ref) == pytest.approx(20.0)
+    assert hypervolume([2.0], [4.0], ref) == pytest.approx(6 * 2)
+    assert hypervolume([-0.5], [4.0], ref) == 0.0
+
+
+def test_plot_writes_png(tmp_path):
+    pts = {"estimator": ["rb", "rb", "mc", "mc"], "reward": [0.2, 0.6, 0.1, 0.7], "seq_kl": [1.0, 3.0, 2.0, 6.0]}
+    exact = Frontier(torch.tensor([1.0, 0.5, 0.2]), torch.tensor([0.3, 0.7, 0.9]), torch.tensor([0.8, 2.5, 5.0]))
+    path = plot_pareto(pts, tmp_path / "sub" / "pareto.png", exact_frontier=exact, ref_point=(-1.0, 10.0))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# ---- MLflow round trip ----
+
+RB = [(0.2, 1.0), (0.5, 2.0), (0.8, 5.0)]  # (reward, seq_kl): all three on the frontier
+MC = [(0.1, 1.5), (0.9, 8.0), (0.3, 3.0)]  # only (0.9, 8.0) is on it
+HV = 1 * 1.2 + 3 * 1.5 + 3 * 1.8 + 12 * 1.9  # reference (-1, 20)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root.resolve() / 'mlflow.db'}"
+    assert uri.startswith("sqlite:////")
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("sweep-a", artifact_location=str((root / "artifacts").resolve()))
+    parent = client.create_run(exp, run_name="sweep-parent").info.run_id
+
+    def child(name, est, beta, reward=None, kl=None, status="FINISHED", parent_id=parent):
+        tags = {"mlflow.parentRunId": parent_id} if parent_id else {}
+        rid = client.create_run(exp, run_name=name, tags=tags).info.run_id
+        params = [Param("estimator.name", est), Param("estimator.beta", str(beta)), Param("seed", "0")]
+        metrics = []  # an early bad value, then the final one that must be used
+        if reward is not None:
+            metrics += [Metric("val/reward", -0.9, 0, 0), Metric("val/reward", reward, 1, 1)]
+        if kl is not None:
+            metrics += [Metric("val/seq_kl", 50.0, 0, 0), Metric("val/seq_kl", kl, 1, 1)]
+        client.log_batch(rid, metrics=metrics, params=params)
+        client.set_terminated(rid, status)
+        return rid
+
+    ids = {f"{est}{i}": child(f"{est}-{i}", est, 0.1 * (i + 1), r, k)
+           for est, pts in (("rb", RB), ("mc", MC)) for i, (r, k) in enumerate(pts)}
+    failed = child("crashed", "rb", 0.05, 0.99, 0.1, status="FAILED")  # would dominate everything
+    no_kl = child("no-kl", "mc", 0.05, 0.5)
+    outsider = child("not-in-sweep", "seq", 0.1, 0.95, 12.0, parent_id=None)  # frontier only over the experiment
+    client.set_terminated(parent)
+    return {"uri": uri, "client": client, "parent": parent, "children": ids, "failed": failed,
+            "no_kl": no_kl, "outsider": outsider}
+
+
+def test_collect_runs_children_of_parent(store):
+    runs = collect_runs(store["client"], parent_run_id=store["parent"])
+    assert {r["run_id"] for r in runs} == set(store["children"].values())
+    assert runs.skipped == {"status FAILED": [store["failed"]], "missing metric val/seq_kl": [store["no_kl"]]}
+    rb0 = next(r for r in runs if r["run_id"] == store["children"]["rb0"])
+    assert (rb0["estimator"], rb0["reward"], rb0["seq_kl"], rb0["seed"]) == ("rb", 0.2, 1.0, 0)
+    assert rb0["beta"] == pytest.approx(0.1) and rb0["lam"] is None and rb0["experiment"] == "sweep-a"
+
+
+def test_collect_runs_experiment_and_run_ids(store):
+    client = store["client"]
+    runs = collect_runs(client, experiment_names=["sweep-a"])
+    assert len(runs) == 7 and store["outsider"] in {r["run_id"] for r in runs}
+    assert runs.skipped["sweep parent run"] == [store["parent"]]
+    picked = collect_runs(client, run_ids=[store["children"]["mc1"], store["failed"]])
+    assert [r["run_id"] for r in picked] == [store["children"]["mc1"]] and picked.n_skipped == 1
+    with pytest.raises(ValueError, match="available: .*sweep-a"):
+        collect_runs(client, experiment_names=["nope"])
+
+
+def test_log_pareto_on_parent(store):
+    client, parent = store["client"], store["parent"]
+    summary = log_pareto(client, parent, collect_runs(client, parent_run_id=parent))
+    assert summary["share"] == {"mc": 0.25, "rb": 0.75}
+    assert summary["hypervolume"] == pytest.approx(HV)
+    assert {a.path for a in client.list_artifacts(parent)} >= {"pareto.png", "pareto.csv"}
+    metrics = client.get_run(parent).data.metrics
+    assert metrics["pareto/share/rb"] == 0.75 and metrics["pareto/share/mc"] == 0.25
+    assert metrics["pareto/n_points"] == 6 and metrics["pareto/n_frontier"] == 4
+    assert metrics["pareto/hypervolume"] == pytest.approx(HV)
+    rows = list(csv.DictReader(open(client.download_artifacts(parent, "pareto.csv"))))
+    assert len(rows) == 6 and sum(r["on_frontier"] == "True" for r in rows) == 4
+    assert {r["run_id"] for r in rows if r["on_frontier"] == "True"} == {
+        store["children"][k] for k in ("rb0", "rb1", "rb2", "mc1")}
+
+
+def test_cli(store, tmp_path, capsys):
+    out = tmp_path / "pareto"
+    assert main(["--experiment", "sweep-a", "--tracking-uri", store["uri"], "--out", str(out),
+                 "--new-run", "pareto-all"]) == 0
+    printed = capsys.readouterr().out
+    assert "7 used, 3 skipped" in printed and "1 sweep parent run" in printed
+    assert (out / "pareto.png").stat().st_size > 10_000
+    rows = list(csv.DictReader(open(out / "pareto.csv")))
+    assert len(rows) == 7
+    # the outsider (0.95, 12) joins the frontier; mc's (0.9, 8) stays: rb 3, mc 1, seq 1 of 5
+    table = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if line.split()}
+    assert table["rb"] == ["3", "3", "60.0%"] and table["seq"] == ["1", "1", "20.0%"]
+    new = store["client"].search_runs([store["client"].get_experiment_by_name("sweep-a").experiment_id],
+                                      "attributes.run_name = 'pareto-all'")
+    assert len(new) == 1 and new[0].data.metrics["pareto/share/seq"] == pytest.approx(0.2)
+    # the summary run lands in the same experiment; a recomputation names it instead of using it
+    assert collect_runs(store["client"], experiment_names=["sweep-a"]).skipped["pareto summary run"] == [
+        new[0].info.run_id]
+
+
+def test_cli_errors(store, tmp_path, capsys):
+    assert main(["--experiment", "nope", "--tracking-uri", store["uri"], "--out", str(tmp_path)]) == 1
+    assert "available: ['Default', 'sweep-a']" in capsys.readouterr().err
+    assert main(["--run-ids", store["failed"], "--tracking-uri", store["uri"], "--out", str(tmp_path)]) == 1
+    assert "no usable runs" in capsys.readouterr().err
+    assert main(["--experiment", "sweep-a", "--tracking-uri", store["uri"], "--out", str(tmp_path / "x"),
+                 "--log-to", "no-such-run"]) == 1
+    assert "no-such-run" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    missing = f"sqlite:///{(tmp_path / 'none.db').resolve()}"
+    assert main(["--experiment", "sweep-a", "--tracking-uri", missing]) == 1
+    assert "no MLflow database" in capsys.readouterr().err and not (tmp_path / "none.db").exists()
