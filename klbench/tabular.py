@@ -22,7 +22,8 @@ Surrogate = Callable[[KLBatch], torch.Tensor]
 class TabularModel:
     """Enumerates prefixes and complete sequences over vocabulary K and horizon T, and holds pi_ref."""
 
-    def __init__(self, K: int, T: int, ref_logits: torch.Tensor | None = None, eos: int | None = None, seed: int = 0):
+    def __init__(self, K: int, T: int, ref_logits: torch.Tensor | None = None, eos: int | None = None, seed: int = 0,
+                 ref_scale: float = 1.0):
         if K < 2 or T < 1:
             raise ValueError(f"tabular model needs K >= 2 and T >= 1, got K={K}, T={T}")
         if eos is not None and not 0 <= eos < K:
@@ -44,7 +45,7 @@ class TabularModel:
         self.parent = torch.tensor([self.prefix_id[p[:-1]] if p else -1 for p in self.prefixes])
         self.last = torch.tensor([p[-1] if p else -1 for p in self.prefixes])
         gen = torch.Generator().manual_seed(seed)
-        self.ref_logits = (torch.randn(self.P, K, generator=gen, dtype=DTYPE) if ref_logits is None
+        self.ref_logits = (ref_scale * torch.randn(self.P, K, generator=gen, dtype=DTYPE) if ref_logits is None
                            else ref_logits.to(DTYPE))
         if self.ref_logits.shape != (self.P, K):
             raise ValueError(f"ref_logits must be [P, K] = [{self.P}, {K}], got {tuple(self.ref_logits.shape)}")
@@ -292,3 +293,14 @@ def _verdict(rows: list[AuditRow], per: dict, tol: float) -> str:
                                          for v in per[r.candidate]):
             return f"{r.scale:.6g} x {r.candidate}"
     return "none of the above"
+
+
+class TabularReward:
+    """A reward table r [N] over the tabular model's sequences: r(y) = scale * N(0, 1), fixed by seed."""
+
+    def __init__(self, model: TabularModel, seed: int = 1, scale: float = 1.0):
+        gen = torch.Generator().manual_seed(seed)
+        self.table = scale * torch.randn(model.N, generator=gen, dtype=DTYPE)  # [N]
+
+    def __call__(self, seq_ids: torch.Tensor) -> torch.Tensor:
+        return self.table[seq_ids.cpu()]

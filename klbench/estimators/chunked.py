@@ -67,3 +67,15 @@ def exact_token_kl_naive(logits: torch.Tensor, ref_logits: torch.Tensor, mask: t
     logq = torch.log_softmax(ref_logits.detach().to(acc), -1)  # [B, T, V]
     kappa = (logp.exp() * (logp - logq)).sum(-1)  # [B, T]
     return torch.where(mask, kappa, torch.zeros((), dtype=acc, device=kappa.device))
+
+
+@torch.no_grad()
+def exact_token_entropy(logits: torch.Tensor, mask: torch.Tensor, chunk_rows: int = 256) -> torch.Tensor:
+    """[B, T] entropy of pi(.|y_<t) in nats, zero off the mask; chunked like exact_token_kl, no gradient."""
+    acc = _accum_dtype(logits.dtype)
+    b_idx, t_idx = mask.nonzero(as_tuple=True)
+    out = torch.zeros(mask.shape, dtype=acc, device=logits.device)
+    for b, t in zip(b_idx.split(chunk_rows), t_idx.split(chunk_rows)):
+        logp = torch.log_softmax(logits[b, t].to(acc), -1)  # [c, V]
+        out[b, t] = -(logp.exp() * logp).sum(-1)
+    return out

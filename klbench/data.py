@@ -1,0 +1,74 @@
+"""Prompt datasets (config group `dataset`): embedded review openings, a jsonl file, or an HF dataset."""
+from __future__ import annotations
+
+import json
+import os
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+
+def load_prompts(cfg) -> tuple[list[str], list[str]]:
+    """(train, val) prompt lists for a `dataset` config."""
+    if cfg.source == "embedded":
+        from klbench.corpus import embedded_prompts
+        return embedded_prompts("train"), embedded_prompts("val")
+    if cfg.source == "jsonl":
+        return _read_jsonl(cfg.train_path, cfg.field), _read_jsonl(cfg.val_path, cfg.field)
+    if cfg.source == "hf":
+        return (_read_hf(cfg.name, cfg.train_split, cfg.field, cfg.prompt_words, cfg.max_train),
+                _read_hf(cfg.name, cfg.val_split, cfg.field, cfg.prompt_words, cfg.max_val))
+    raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
+
+
+def _read_jsonl(path: str, field: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset path {path!r} does not exist")
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if field not in row:
+                raise ValueError(f"{path}:{i} has no field {field!r} (dataset.field); keys: {sorted(row)}")
+            out.append(str(row[field]))
+    if not out:
+        raise ValueError(f"dataset path {path!r} holds no prompts")
+    return out
+
+
+def _read_hf(name: str, split: str, field: str, words: int, limit: int) -> list[str]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("dataset=hf needs the `datasets` package: pip install 'klbench[hf]'") from e
+    if os.path.isdir(name):  # a dataset saved with save_to_disk: the offline path
+        ds = datasets.load_from_disk(name)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"HF dataset {name!r} has no split {split!r}; splits: {list(ds)}")
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(name, split=split)
+    if field not in ds.column_names:
+        raise ValueError(f"HF dataset {name!r} has no column {field!r} (dataset.field); columns: {ds.column_names}")
+    ds = ds.shuffle(seed=0).select(range(min(limit, len(ds))))
+    return [" ".join(str(t).split()[:words]) for t in ds[field]]
+
+
+class PromptData(pl.LightningDataModule):
+    """Shuffled train prompts (one batch = prompts of one step) and fixed held-out val prompts."""
+
+    def __init__(self, train: list[str], val: list[str], batch_size: int, val_prompts: int):
+        super().__init__()
+        if len(train) < batch_size:
+            raise ValueError(f"{len(train)} train prompts < task.prompts_per_step={batch_size}")
+        self.train, self.val = train, val[:val_prompts]
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=list)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=max(1, min(len(self.val), 16)), collate_fn=list)

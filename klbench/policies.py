@@ -1,0 +1,148 @@
+"""Policies the RL and distillation modules drive: rollout (sample) and score (build a KLBatch).
+
+LMPolicy wraps any AutoModelForCausalLM pair (policy, frozen reference); TabularPolicy wraps the
+enumerable tabular model so that the same Lightning module runs against exact ground truth.
+Sampling is always plain ancestral sampling at temperature 1 (no top-k/top-p): every estimator
+assumes y ~ pi exactly, and a truncated sampler would bias all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from klbench.estimators import KLBatch
+from klbench.tabular import TabularModel
+
+
+@dataclass
+class Rollout:
+    tokens: torch.Tensor  # [B, P + L] left-padded prompt then response (LM) or [B, T] (tabular)
+    attention: torch.Tensor  # [B, P + L] 1 on real prompt tokens and real response tokens
+    prompt_len: int  # P
+    mask: torch.Tensor  # [B, L] bool, response tokens up to and including the first EOS
+    group: torch.Tensor  # [B] prompt index: the n samples of one prompt share it
+    texts: list[str]  # decoded responses
+    prompts: list[str]
+    seq_ids: torch.Tensor | None = None  # [B] tabular sequence ids
+
+
+def response_mask(resp: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B, L] True up to and including the first EOS; everything after it is padding."""
+    is_eos = (resp == eos_id).long()
+    return (is_eos.cumsum(-1) - is_eos) == 0
+
+
+class LMPolicy(nn.Module):
+    def __init__(self, model, ref_model, tokenizer, max_new_tokens: int):
+        super().__init__()
+        self.model, self.ref, self.tok = model, ref_model, tokenizer
+        self.ref.requires_grad_(False).eval()
+        self.max_new_tokens = max_new_tokens
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[str], n: int) -> Rollout:
+        enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
+        ids = enc.input_ids.repeat_interleave(n, 0)  # [B*n, P]
+        attn = enc.attention_mask.repeat_interleave(n, 0)  # [B*n, P]
+        was_training = self.model.training
+        self.model.eval()  # dropout off while sampling: the sampled y must come from the scored pi
+        out = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0, top_p=1.0,
+                                  temperature=1.0, max_new_tokens=self.max_new_tokens,
+                                  pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
+        self.model.train(was_training)
+        P = ids.shape[1]
+        resp = out[:, P:]  # [B*n, L]
+        mask = response_mask(resp, self.tok.eos_token_id)
+        texts = self.tok.batch_decode(torch.where(mask, resp, self.tok.pad_token_id), skip_special_tokens=True)
+        group = torch.arange(len(prompts), device=ids.device).repeat_interleave(n)
+        return Rollout(out, torch.cat([attn, mask.long()], 1), P, mask, group, texts,
+                       [p for p in prompts for _ in range(n)])
+
+    def _logits(self, model, ro: Rollout) -> torch.Tensor:
+        # left padding: positions must count real tokens only, as generate() did
+        pos = (ro.attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos).logits
+        return logits[:, ro.prompt_len - 1: -1]  # [B, L, V] next-token logits at the response positions
+
+    def score(self, ro: Rollout) -> KLBatch:
+        logits = self._logits(self.model, ro)  # [B, L, V], differentiable
+        with torch.no_grad():
+            ref_logits = self._logits(self.ref, ro)  # [B, L, V]
+        resp = ro.tokens[:, ro.prompt_len:].unsqueeze(-1)  # [B, L, 1]
+        logp = _token_logprob(logits, resp)
+        ref_logp = _token_logprob(ref_logits, resp)
+        return KLBatch(logp, ref_logp, ro.mask, logits, ref_logits, group=ro.group)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, L] log softmax(logits)[token] in float32 without keeping a [B, L, V] log_softmax for backward."""
+    logits = logits.float()
+    return logits.gather(-1, tokens).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
+class TabularPolicy(nn.Module):
+    """Logit table [P, K] in float64, initialised at pi_ref; prompts are ignored (one implicit prompt)."""
+
+    def __init__(self, model: TabularModel):
+        super().__init__()
+        self.table = model
+        self.theta = nn.Parameter(model.ref_logits.clone())  # [P, K]
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[str], n: int) -> Rollout:
+        probs = self.table.seq_logprob(self.theta).exp()  # [N]
+        ids = torch.multinomial(probs, len(prompts) * n, replacement=True)  # [B*n]
+        tokens = self.table.tokens[ids]
+        mask = self.table.mask[ids]
+        texts = [" ".join(str(int(v)) for v in row[m]) for row, m in zip(tokens, mask)]
+        group = torch.arange(len(prompts)).repeat_interleave(n)
+        return Rollout(tokens, mask.long(), 0, mask, group, texts, [p for p in prompts for _ in range(n)], ids)
+
+    def score(self, ro: Rollout) -> KLBatch:
+        return self.table.batch(self.theta, ro.seq_ids, group=ro.group)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [self.theta]
+
+    @property
+    def device(self) -> torch.device:
+        return self.theta.device
+
+
+def build_policy(cfg, max_new_tokens: int, outputs_dir: str) -> nn.Module:
+    """The `model` group: tabular, the embedded GPT-2 (built and cached offline), or any HF causal LM."""
+    if cfg.kind == "tabular":
+        return TabularPolicy(TabularModel(cfg.K, cfg.T, eos=cfg.eos, seed=cfg.ref_seed, ref_scale=cfg.ref_scale))
+    from klbench import models
+    if cfg.kind == "embedded":
+        path = ref_path = models.ensure_embedded_lm(embedded_spec(cfg.preset, cfg.spec), outputs_dir)
+    elif cfg.kind == "hf":
+        path, ref_path = cfg.name_or_path, cfg.ref_name_or_path
+    else:
+        raise ValueError(f"model.kind must be tabular, embedded or hf; got {cfg.kind!r}")
+    model, tok = models.load_causal_lm(path, cfg.dtype)
+    ref, ref_tok = models.load_causal_lm(ref_path, cfg.dtype)
+    models.check_same_vocab(tok, ref_tok, "policy (model.name_or_path)", "reference (model.ref_name_or_path)")
+    return LMPolicy(model, ref, tok, max_new_tokens)
+
+
+def embedded_spec(preset: str, overrides) -> dict:
+    """A preset spec of klbench.models with `model.spec.*` overrides; unknown keys are errors, not ignored."""
+    from klbench import models
+    presets = {"reference": models.DEFAULT_REFERENCE_SPEC, "teacher": models.DEFAULT_TEACHER_SPEC,
+               "student": models.DEFAULT_STUDENT_SPEC}
+    if preset not in presets:
+        raise ValueError(f"model.preset={preset!r} is unknown; valid: {', '.join(presets)}")
+    unknown = sorted(set(overrides) - set(presets[preset]))
+    if unknown:
+        raise ValueError(f"model.spec has unknown key(s) {unknown}; valid: {', '.join(sorted(presets[preset]))}")
+    return {**presets[preset], **dict(overrides)}

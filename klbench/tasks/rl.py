@@ -1,0 +1,157 @@
+"""task=rl: maximise E[r] - beta * KL(pi || pi_ref). Thin wiring: rollout, reward, loss, logging.
+
+Reward gradient: REINFORCE with a leave-one-out baseline over the n samples of a prompt (RLOO).
+KL gradient: beta * the configured gradient estimator's surrogate. Every value estimator is
+logged on the same batch so that their disagreement is visible step by step.
+"""
+from __future__ import annotations
+
+import random
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import grad_norm
+
+from klbench.estimators import gradient_estimator, value_estimator
+from klbench.estimators.chunked import exact_token_entropy
+from klbench.policies import Rollout, TabularPolicy
+
+# train/kl_<label>: value estimator name and options, all on the same batch
+LOGGED_VALUES = {
+    "mc": ("mc", {}),
+    "k2": ("k2", {}),
+    "k3": ("cv", {"lam": 1.0, "level": "token"}),
+    "cv_seq": ("cv", {"lam": 1.0, "level": "sequence"}),
+    "cv_opt": ("cv_opt", {}),
+    "rb": ("rb", {}),
+}
+
+
+def rloo_advantage(reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[B] r_i - mean_{j != i in the same group} r_j."""
+    _, inv, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    totals = torch.zeros(len(counts), dtype=reward.dtype, device=reward.device).index_add_(0, inv, reward)
+    return reward - (totals[inv] - reward) / (counts[inv] - 1).clamp(min=1).to(reward.dtype)
+
+
+class RLTask(pl.LightningModule):
+    def __init__(self, policy, reward_fn, estimator_cfg: dict, task_cfg: dict, frontier=None):
+        super().__init__()
+        self.policy, self.reward_fn, self.frontier = policy, reward_fn, frontier
+        opts = {k: v for k, v in estimator_cfg.items() if k not in ("name", "beta")}
+        self.estimator = gradient_estimator(estimator_cfg["name"], **opts)
+        self.beta = float(estimator_cfg["beta"])
+        self.cfg = dict(task_cfg)
+        self.values = {label: value_estimator(name, **o) for label, (name, o) in LOGGED_VALUES.items()}
+        self.strict_loading = False  # the frozen reference is not checkpointed
+        self.val_rows: list[dict] = []
+        self.sample_tables: list[tuple[int, list[dict]]] = []
+
+    # ---- training ----
+
+    def rewards(self, ro: Rollout) -> torch.Tensor:
+        if self.reward_fn is None:
+            return torch.zeros(len(ro.texts), device=self.device)
+        r = self.reward_fn(ro.seq_ids if ro.seq_ids is not None else ro.texts)
+        return r.to(self.device, torch.float32)
+
+    def training_step(self, prompts: list[str], batch_idx: int) -> torch.Tensor:
+        ro = self.policy.rollout(prompts, self.cfg["n_samples"])
+        batch = self.policy.score(ro)
+        reward = self.rewards(ro)  # [B]
+        logp_sum = batch.masked_logp.sum(-1)  # [B]
+        adv = rloo_advantage(reward, ro.group).to(logp_sum.dtype)
+        loss_reward = -(adv * logp_sum).mean()
+        surrogate = self.estimator(batch)
+        n_clamped = None
+        if isinstance(surrogate, tuple):
+            surrogate, n_clamped = surrogate
+        loss_kl = surrogate.mean()
+        loss = self.cfg["reward_coef"] * loss_reward + self.beta * loss_kl
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite loss at step {self.global_step}: reward part {loss_reward.item()}, "
+                f"KL surrogate {loss_kl.item()} (estimator {self.estimator!r}, beta {self.beta})")
+        if self.global_step % self.cfg["log_every"] == 0:
+            self._log_train(batch, reward, ro, loss, n_clamped)
+        return loss
+
+    @torch.no_grad()
+    def _log_train(self, batch, reward, ro, loss, n_clamped) -> None:
+        m = {f"train/kl_{label}": est(batch) for label, est in self.values.items() if label != "rb" or
+             batch.logits is not None}
+        m = {k: (v[0] if isinstance(v, tuple) else v).float().mean() for k, v in m.items()}
+        m["train/reward"] = reward.mean()
+        m["train/loss"] = loss.detach()
+        m["train/response_len"] = batch.mask.sum(-1).float().mean()
+        if batch.logits is not None:
+            m["train/entropy"] = exact_token_entropy(batch.logits, batch.mask, batch.chunk_rows).sum() / batch.mask.sum()
+        if n_clamped is not None:
+            m["train/n_clamped"] = float(n_clamped)
+        self.log_dict(m, on_step=True, on_epoch=False, sync_dist=True, batch_size=len(ro.texts))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.global_step % self.cfg["log_every"] == 0:
+            norm = grad_norm(self.policy, norm_type=2).get("grad_2.0_norm_total", torch.tensor(0.0))
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.policy.trainable(), lr=self.cfg["lr"], weight_decay=self.cfg["weight_decay"])
+
+    # ---- validation: held-out prompts, fresh samples ----
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_rows = []
+
+    @torch.no_grad()
+    def validation_step(self, prompts: list[str], batch_idx: int) -> None:
+        # validation draws from its own seeded stream: it never shifts the training samples (so a resumed
+        # run repeats an uninterrupted one), and every validation of every run sees comparable noise
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.cfg["val_seed"] + batch_idx)
+            ro = self.policy.rollout(prompts, self.cfg["val_samples"])
+        batch = self.policy.score(ro)
+        reward = self.rewards(ro)
+        seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
+        for text, prompt, r, k, n in zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
+                                         batch.mask.sum(-1).tolist()):
+            self.val_rows.append({"prompt": prompt, "response": text, "reward": r, "seq_kl": k, "tokens": n})
+
+    def on_validation_epoch_end(self) -> None:
+        rows = self.val_rows
+        n_tok = sum(r["tokens"] for r in rows)
+        m = {"val/reward": sum(r["reward"] for r in rows) / len(rows),
+             "val/seq_kl": sum(r["seq_kl"] for r in rows) / len(rows),
+             "val/token_kl": sum(r["seq_kl"] for r in rows) / max(n_tok, 1),
+             "val/response_len": n_tok / len(rows)}
+        if isinstance(self.policy, TabularPolicy):
+            m.update(self._exact_metrics())
+        self.log_dict({k: float(v) for k, v in m.items()}, sync_dist=True)
+        self.sample_tables.append((self.global_step, rows[: self.cfg["n_sample_texts"]]))
+
+    def _exact_metrics(self) -> dict[str, float]:
+        """On the tabular model the truth is computable: report it next to the estimates."""
+        table, theta = self.policy.table, self.policy.theta.detach()
+        kl = float(table.kl_pi_ref(theta))
+        out = {"val/seq_kl": kl, "val/seq_kl_sampled": sum(r["seq_kl"] for r in self.val_rows) / len(self.val_rows),
+               "val/kl_ref_pi": float(table.kl_ref_pi(theta))}
+        if self.reward_fn is not None:
+            reward = float(table.expected_reward(theta, self.reward_fn.table))
+            out.update({"val/reward": reward, "val/reward_sampled": sum(r["reward"] for r in self.val_rows) /
+                        len(self.val_rows), "val/frontier_gap": self.frontier.reward_gap(reward, kl)})
+        return out
+
+    # ---- checkpoints: RNG state travels with the step and the optimizer ----
+
+    def state_dict(self, *args, **kwargs):
+        sd = super().state_dict(*args, **kwargs)
+        return {k: v for k, v in sd.items() if not k.startswith("policy.ref.")}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "rng" in checkpoint:
+            torch.set_rng_state(checkpoint["rng"]["torch"])
+            random.setstate(checkpoint["rng"]["python"])
