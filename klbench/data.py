@@ -5,6 +5,7 @@ import json
 import os
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader
 
 
@@ -60,15 +61,19 @@ def _read_hf(name: str, split: str, field: str, words: int, limit: int) -> list[
 class PromptData(pl.LightningDataModule):
     """Shuffled train prompts (one batch = prompts of one step) and fixed held-out val prompts."""
 
-    def __init__(self, train: list[str], val: list[str], batch_size: int, val_prompts: int):
+    def __init__(self, train: list[str], val: list[str], batch_size: int, val_prompts: int, seed: int = 0):
         super().__init__()
+        self.seed = seed
         if len(train) < batch_size:
             raise ValueError(f"{len(train)} train prompts < task.prompts_per_step={batch_size}")
         self.train, self.val = train, val[:val_prompts]
         self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=list)
+        # its own generator: shuffling must not draw from the global RNG that sampling uses
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=list,
+                          generator=gen)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=max(1, min(len(self.val), 16)), collate_fn=list)

@@ -38,20 +38,26 @@ class LMPolicy(nn.Module):
     def __init__(self, model, ref_model, tokenizer, max_new_tokens: int):
         super().__init__()
         self.model, self.ref, self.tok = model, ref_model, tokenizer
-        self.ref.requires_grad_(False).eval()
+        self.ref.requires_grad_(False)
         self.max_new_tokens = max_new_tokens
+        self.train()
+
+    def train(self, mode: bool = True) -> "LMPolicy":
+        # dropout stays off in training too: the log-probs we differentiate must be those of the very
+        # distribution the samples came from, or every estimator is biased (TRL and verl do the same)
+        super().train(mode)
+        self.model.eval()
+        self.ref.eval()
+        return self
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int) -> Rollout:
         enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
         ids = enc.input_ids.repeat_interleave(n, 0)  # [B*n, P]
         attn = enc.attention_mask.repeat_interleave(n, 0)  # [B*n, P]
-        was_training = self.model.training
-        self.model.eval()  # dropout off while sampling: the sampled y must come from the scored pi
         out = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0, top_p=1.0,
                                   temperature=1.0, max_new_tokens=self.max_new_tokens,
                                   pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
-        self.model.train(was_training)
         P = ids.shape[1]
         resp = out[:, P:]  # [B*n, L]
         mask = response_mask(resp, self.tok.eos_token_id)
@@ -90,12 +96,12 @@ def _token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class TabularPolicy(nn.Module):
-    """Logit table [P, K] in float64, initialised at pi_ref; prompts are ignored (one implicit prompt)."""
+    """Logit table [P, K] in float64, starting at pi_ref (or `start`); prompts are ignored (one implicit prompt)."""
 
-    def __init__(self, model: TabularModel):
+    def __init__(self, model: TabularModel, start: torch.Tensor | None = None):
         super().__init__()
         self.table = model
-        self.theta = nn.Parameter(model.ref_logits.clone())  # [P, K]
+        self.theta = nn.Parameter((model.ref_logits if start is None else start).clone())  # [P, K]
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int) -> Rollout:
@@ -118,21 +124,49 @@ class TabularPolicy(nn.Module):
         return self.theta.device
 
 
-def build_policy(cfg, max_new_tokens: int, outputs_dir: str) -> nn.Module:
-    """The `model` group: tabular, the embedded GPT-2 (built and cached offline), or any HF causal LM."""
+def build_policy(cfg, max_new_tokens: int, outputs_dir: str, teacher=None) -> nn.Module:
+    """The `model` group: tabular, the embedded GPT-2 (built and cached offline), or any HF causal LM.
+
+    With `teacher` (a second `model` config, task=distill) the teacher is pi_ref; otherwise pi_ref is the
+    policy's own starting point (model.ref_name_or_path for hf).
+    """
+    if teacher is not None and (cfg.kind == "tabular") != (teacher.kind == "tabular"):
+        raise ValueError(f"teacher.kind={teacher.kind} and model.kind={cfg.kind}: student and teacher must both "
+                         "be tabular or both be language models")
     if cfg.kind == "tabular":
-        return TabularPolicy(TabularModel(cfg.K, cfg.T, eos=cfg.eos, seed=cfg.ref_seed, ref_scale=cfg.ref_scale))
+        return _tabular_policy(cfg, teacher)
+    from klbench import models
+    path = _lm_path(cfg, outputs_dir)
+    if teacher is not None:
+        ref_path, names = _lm_path(teacher, outputs_dir), ("student (model)", "teacher")
+    else:
+        ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
+        names = ("policy (model)", "reference (model.ref_name_or_path)")
+    model, tok = models.load_causal_lm(path, cfg.dtype)
+    ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype)
+    models.check_same_vocab(tok, ref_tok, *names)
+    return LMPolicy(model, ref, tok, max_new_tokens)
+
+
+def _lm_path(cfg, outputs_dir: str) -> str:
     from klbench import models
     if cfg.kind == "embedded":
-        path = ref_path = models.ensure_embedded_lm(embedded_spec(cfg.preset, cfg.spec), outputs_dir)
-    elif cfg.kind == "hf":
-        path, ref_path = cfg.name_or_path, cfg.ref_name_or_path
-    else:
-        raise ValueError(f"model.kind must be tabular, embedded or hf; got {cfg.kind!r}")
-    model, tok = models.load_causal_lm(path, cfg.dtype)
-    ref, ref_tok = models.load_causal_lm(ref_path, cfg.dtype)
-    models.check_same_vocab(tok, ref_tok, "policy (model.name_or_path)", "reference (model.ref_name_or_path)")
-    return LMPolicy(model, ref, tok, max_new_tokens)
+        return models.ensure_embedded_lm(embedded_spec(cfg.preset, cfg.spec), outputs_dir)
+    if cfg.kind == "hf":
+        return cfg.name_or_path
+    raise ValueError(f"model.kind must be tabular, embedded or hf; got {cfg.kind!r}")
+
+
+def _tabular_policy(cfg, teacher) -> "TabularPolicy":
+    ref_cfg = cfg if teacher is None else teacher
+    if (ref_cfg.K, ref_cfg.T, ref_cfg.eos) != (cfg.K, cfg.T, cfg.eos):
+        raise ValueError(f"student and teacher vocabularies differ: model (K={cfg.K}, T={cfg.T}, eos={cfg.eos}) "
+                         f"vs teacher (K={ref_cfg.K}, T={ref_cfg.T}, eos={ref_cfg.eos})")
+    table = TabularModel(cfg.K, cfg.T, eos=cfg.eos, seed=ref_cfg.ref_seed, ref_scale=ref_cfg.ref_scale)
+    start = None
+    if teacher is not None:  # the student starts from its own table, the teacher's is pi_ref
+        start = TabularModel(cfg.K, cfg.T, eos=cfg.eos, seed=cfg.ref_seed, ref_scale=cfg.ref_scale).ref_logits
+    return TabularPolicy(table, start)
 
 
 def embedded_spec(preset: str, overrides) -> dict:

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from klbench import tracking
-from klbench.estimators import GRADIENT_ESTIMATORS
+from klbench.estimators import GRADIENT_ESTIMATORS, gradient_estimator
 from klbench.policies import TabularPolicy, build_policy
 
 TABULAR_PROMPT = "<tabular>"
@@ -29,8 +29,22 @@ def check_config(cfg: DictConfig) -> None:
         if key not in ("name", "beta") and key not in allowed:
             raise ValueError(f"estimator.{key} does not apply to estimator {est.name!r} "
                              f"(its options: {', '.join(allowed) or 'none'})")
+    try:  # option values (lam, level, clamp) are checked by the estimator itself, before anything is built
+        gradient_estimator(est.name, **{k: v for k, v in est.items() if k not in ("name", "beta")})
+    except ValueError as e:
+        raise ValueError(f"estimator config: {e}") from e
     if cfg.task.name == "pretrain":
         return
+    if cfg.task.name == "distill":
+        if cfg.get("teacher") is None:
+            raise ValueError("task=distill needs a teacher: add model@teacher=<option> (or use experiment=distill)")
+        if est.beta != 1:
+            raise ValueError(f"task=distill minimises KL(student || teacher) itself: estimator.beta must be 1, "
+                             f"got {est.beta} (weight an extra reward with task.reward_coef instead)")
+        if cfg.task.reward_coef != 0 and cfg.reward.kind == "none":
+            raise ValueError(f"task.reward_coef={cfg.task.reward_coef} needs a reward, but reward=none")
+    elif cfg.get("teacher") is not None:
+        raise ValueError(f"a teacher (model@teacher) only applies to task=distill, not task={cfg.task.name}")
     n = cfg.task.n_samples
     if est.name == "loo" and n < 2:
         raise ValueError(f"estimator loo needs task.n_samples >= 2 (samples per prompt), got {n}")
@@ -66,10 +80,11 @@ def build_data(cfg: DictConfig, policy) -> pl.LightningDataModule:
     from klbench.data import PromptData, load_prompts
     t = cfg.task
     if isinstance(policy, TabularPolicy):  # one implicit prompt; the data only sets the batch shape
-        return PromptData([TABULAR_PROMPT] * t.prompts_per_step, [TABULAR_PROMPT] * t.val_prompts,
-                          t.prompts_per_step, t.val_prompts)
+        # many batches per epoch, so every DDP process gets full batches after the sampler splits them
+        return PromptData([TABULAR_PROMPT] * t.prompts_per_step * 64, [TABULAR_PROMPT] * t.val_prompts,
+                          t.prompts_per_step, t.val_prompts, cfg.seed)
     train, val = load_prompts(cfg.dataset)
-    return PromptData(train, val, t.prompts_per_step, t.val_prompts)
+    return PromptData(train, val, t.prompts_per_step, t.val_prompts, cfg.seed)
 
 
 def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl.Trainer:
@@ -101,7 +116,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         return run_task(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     t0 = time.time()
-    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs)
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs, cfg.get("teacher"))
     reward = build_reward(cfg.reward, policy)
     module = build_task(cfg, policy, reward)
     data = build_data(cfg, policy)
@@ -110,7 +125,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     trainer = build_trainer(cfg, logger, cfg.task.max_steps, cfg.task.val_every)
     before = None
     if ckpt_path is None:
-        before = _val_metrics(trainer.validate(module, datamodule=data, verbose=False)[0])
+        trainer.validate(module, datamodule=data, verbose=False)
+        before = _val_metrics(trainer.callback_metrics)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     if trainer.global_step % cfg.task.val_every != 0:
         trainer.validate(module, datamodule=data, verbose=False)
@@ -145,6 +161,6 @@ def build_task(cfg: DictConfig, policy, reward) -> pl.LightningModule:
         frontier = policy.table.pareto_frontier(reward.table)
     est = OmegaConf.to_container(cfg.estimator, resolve=True)
     task = OmegaConf.to_container(cfg.task, resolve=True)
-    if cfg.task.name == "rl":
+    if cfg.task.name in ("rl", "distill"):  # distillation is RL with beta = 1 and (by default) no reward
         return RLTask(policy, reward, est, task, frontier)
-    raise ValueError(f"task.name={cfg.task.name!r} is unknown; valid: rl, pretrain")
+    raise ValueError(f"task.name={cfg.task.name!r} is unknown; valid: rl, distill, pretrain")

@@ -120,26 +120,31 @@ class RLTask(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         rows = self.val_rows
-        n_tok = sum(r["tokens"] for r in rows)
-        m = {"val/reward": sum(r["reward"] for r in rows) / len(rows),
-             "val/seq_kl": sum(r["seq_kl"] for r in rows) / len(rows),
-             "val/token_kl": sum(r["seq_kl"] for r in rows) / max(n_tok, 1),
-             "val/response_len": n_tok / len(rows)}
+        # sums over all processes, so the metric is the same whatever the number of devices
+        totals = torch.tensor([sum(r["reward"] for r in rows), sum(r["seq_kl"] for r in rows),
+                               sum(r["tokens"] for r in rows), len(rows)], dtype=torch.float64, device=self.device)
+        if self.trainer.world_size > 1:
+            totals = self.all_gather(totals).reshape(-1, 4).sum(0)
+        reward, kl, n_tok, n = totals.tolist()
+        m = {"val/reward": reward / n, "val/seq_kl": kl / n, "val/token_kl": kl / max(n_tok, 1),
+             "val/response_len": n_tok / n}
         if isinstance(self.policy, TabularPolicy):
-            m.update(self._exact_metrics())
-        self.log_dict({k: float(v) for k, v in m.items()}, sync_dist=True)
+            m.update(self._exact_metrics(m))
+        # logged at the number of optimiser steps taken (Lightning would use that number minus one)
+        self.log_dict(m, logger=False, sync_dist=True)  # already identical on every process
+        if self.trainer.is_global_zero and self.logger is not None:
+            self.logger.log_metrics(m, step=self.global_step)
         self.sample_tables.append((self.global_step, rows[: self.cfg["n_sample_texts"]]))
 
-    def _exact_metrics(self) -> dict[str, float]:
-        """On the tabular model the truth is computable: report it next to the estimates."""
+    def _exact_metrics(self, sampled: dict[str, float]) -> dict[str, float]:
+        """On the tabular model the truth is computable: report it, keeping the sampled estimates beside it."""
         table, theta = self.policy.table, self.policy.theta.detach()
         kl = float(table.kl_pi_ref(theta))
-        out = {"val/seq_kl": kl, "val/seq_kl_sampled": sum(r["seq_kl"] for r in self.val_rows) / len(self.val_rows),
-               "val/kl_ref_pi": float(table.kl_ref_pi(theta))}
+        out = {"val/seq_kl": kl, "val/seq_kl_sampled": sampled["val/seq_kl"], "val/kl_ref_pi": float(table.kl_ref_pi(theta))}
         if self.reward_fn is not None:
             reward = float(table.expected_reward(theta, self.reward_fn.table))
-            out.update({"val/reward": reward, "val/reward_sampled": sum(r["reward"] for r in self.val_rows) /
-                        len(self.val_rows), "val/frontier_gap": self.frontier.reward_gap(reward, kl)})
+            out.update({"val/reward": reward, "val/reward_sampled": sampled["val/reward"],
+                        "val/frontier_gap": self.frontier.reward_gap(reward, kl)})
         return out
 
     # ---- checkpoints: RNG state travels with the step and the optimizer ----

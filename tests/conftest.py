@@ -1,0 +1,40 @@
+import os
+
+import pytest
+import torch
+
+# tests never reach a model hub: transformers must use local files only
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test with one torch thread: on tiny tensors threads buy nothing, and on a busy 2-core machine
+    every OpenMP barrier waits for a descheduled thread (measured here: 40 s instead of 4 s)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _save_tiny_lm(path, texts_seed: int, vocab_size: int, seed: int) -> str:
+    from klbench.corpus import generate_reviews
+    from klbench.models import build_gpt2, train_tokenizer
+    tok = train_tokenizer(generate_reviews(300, seed=texts_seed), vocab_size)
+    model = build_gpt2(len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64, seed=seed,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tmp_path_factory):
+    """A tiny GPT-2 + embedded-style tokenizer saved with save_pretrained, loaded back like a hub model."""
+    return _save_tiny_lm(tmp_path_factory.mktemp("tiny_lm"), 0, 300, seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_lm_dir(tmp_path_factory):
+    """Same architecture, a tokenizer trained on other texts with another size: a different vocabulary."""
+    return _save_tiny_lm(tmp_path_factory.mktemp("other_lm"), 5, 320, seed=1)

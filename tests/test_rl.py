@@ -1,0 +1,165 @@
+"""End-to-end RL runs (tabular and a tiny LM), MLflow contents, resume, bad input, failure handling."""
+from __future__ import annotations
+
+import math
+
+import mlflow
+import pytest
+import torch
+
+from klbench.train import run
+from test_config import compose_cfg
+
+
+def mlflow_run(cfg):
+    client = mlflow.MlflowClient(cfg.logger.tracking_uri)
+    exp = client.get_experiment_by_name(cfg.logger.experiment)
+    runs = client.search_runs([exp.experiment_id])
+    return client, runs
+
+
+TABULAR = ["experiment=tabular", "task.max_steps=30", "task.val_every=10"]
+
+
+def test_tabular_rl_learns_and_logs_to_mlflow(tmp_path):
+    cfg = compose_cfg(tmp_path, TABULAR + ["task.max_steps=60"])
+    out = run(cfg)
+    client, runs = mlflow_run(cfg)
+    assert len(runs) == 1
+    r = runs[0]
+    assert r.info.status == "FINISHED"
+    assert r.info.run_name == "rl-tabular-rb-beta0.5-seed0"
+    assert r.data.params["estimator.name"] == "rb" and r.data.params["model.kind"] == "tabular"
+    for key in ("val/reward", "val/seq_kl", "val/frontier_gap", "val/kl_ref_pi", "train/kl_mc", "train/kl_k3",
+                "train/kl_rb", "train/kl_cv_opt", "train/reward", "train/entropy", "train/grad_norm"):
+        assert key in r.data.metrics, key
+    history = client.get_metric_history(r.info.run_id, "val/reward")
+    assert [m.step for m in history] == [0, 10, 20, 30, 40, 50, 60]
+    assert history[-1].value > history[0].value + 0.5  # RL moved the policy towards reward
+    assert math.isclose(out["val/seq_kl"], r.data.metrics["val/seq_kl"], rel_tol=1e-6)
+    assert out["val/frontier_gap"] >= -1e-6  # nobody beats the exact frontier
+    arts = {a.path for a in client.list_artifacts(r.info.run_id)}
+    assert {"config.yaml", "samples.json"} <= arts
+
+
+def test_tabular_val_seq_kl_is_exact(tmp_path):
+    from klbench.policies import build_policy
+    from klbench.train import build_data, build_reward, build_task
+    cfg = compose_cfg(tmp_path, TABULAR + ["logger=none"])
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs)
+    with torch.no_grad():
+        policy.theta.add_(torch.randn_like(policy.theta))
+    module = build_task(cfg, policy, build_reward(cfg.reward, policy))
+    exact = module._exact_metrics({"val/reward": 0.0, "val/seq_kl": 0.0})
+    assert math.isclose(exact["val/seq_kl"], float(policy.table.kl_pi_ref(policy.theta.detach())), rel_tol=1e-12)
+    assert exact["val/seq_kl"] > 0.1 and build_data(cfg, policy).val
+
+
+def test_tiny_lm_rl_run_logs_to_mlflow(tmp_path, tiny_lm_dir):
+    cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tiny_lm_dir}", "task.max_steps=4",
+                                 "task.val_every=2", "task.prompts_per_step=4", "task.val_prompts=4",
+                                 "task.max_new_tokens=8", "task.log_every=1", "estimator=naive_mc",
+                                 "estimator.beta=1.0"])
+    out = run(cfg)
+    client, runs = mlflow_run(cfg)
+    (r,) = runs
+    assert r.info.status == "FINISHED"
+    assert r.data.params["model.name_or_path"] == tiny_lm_dir
+    for key in ("val/reward", "val/seq_kl", "val/token_kl", "train/kl_rb", "train/kl_mc", "train/entropy"):
+        assert key in r.data.metrics and math.isfinite(r.data.metrics[key]), key
+    # the untrained reference starts the run at KL 0: policy == reference at step 0
+    first = client.get_metric_history(r.info.run_id, "val/seq_kl")[0]
+    assert first.step == 0 and abs(first.value) < 1e-5
+    # every sound KL gradient is exactly zero at pi == pi_ref, and the random tiny LM earns no reward;
+    # naive_mc's per-sample noise (zero only in expectation) is what moves it away from the reference
+    assert out["val/seq_kl"] > 0
+    table = client.load_table(r.info.experiment_id, "samples.json", run_ids=[r.info.run_id])
+    assert {"step", "prompt", "response", "reward", "seq_kl"} <= set(table.columns) and len(table) > 0
+
+
+def test_resume_continues_exactly(tmp_path):
+    """20 steps straight == 10 steps, stop, resume to 20: same step, optimizer and RNG streams."""
+    straight = compose_cfg(tmp_path / "a", TABULAR + ["task.max_steps=20", "task.val_every=10", "logger=none"])
+    full = run(straight)
+    first = compose_cfg(tmp_path / "b", TABULAR + ["task.max_steps=10", "task.val_every=10"])
+    run(first)
+    resumed = compose_cfg(tmp_path / "b", TABULAR + ["task.max_steps=20", "task.val_every=10", "ckpt_path=last"])
+    out = run(resumed)
+    assert math.isclose(out["val/seq_kl"], full["val/seq_kl"], rel_tol=1e-9)
+    assert math.isclose(out["val/reward"], full["val/reward"], rel_tol=1e-9)
+    ckpt = torch.load(f"{resumed.paths.ckpt_dir}/last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 20 and "rng" in ckpt and ckpt["optimizer_states"]
+    client, runs = mlflow_run(resumed)
+    assert len(runs) == 1  # the resumed run continued the same MLflow run
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "val/reward")]
+    assert steps == [0, 10, 20]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["estimator.beta=-0.1"], "estimator.beta must be >= 0"),
+    (["+estimator.lam=0.5"], "estimator.lam does not apply to estimator 'rb'"),
+    (["estimator=loo", "task.n_samples=1"], "task.n_samples >= 2"),
+    (["estimator=naive_cv", "estimator.level=tok"], "level must be 'token' or 'sequence'"),
+    (["model=tabular"], "model=tabular needs reward=tabular"),
+    (["model=hf", "model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
+    (["reward=hf_classifier", "reward.name_or_path=/nonexistent/clf", "model=tabular", "reward.kind=hf_classifier"],
+     "model=tabular needs reward=tabular"),
+    (["hardware=gpu"], "no CUDA GPU"),
+])
+def test_bad_input_stops_before_training(tmp_path, overrides, match):
+    if overrides == ["hardware=gpu"] and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    cfg = compose_cfg(tmp_path, overrides)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        run(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_missing_reward_path(tmp_path, tiny_lm_dir):
+    cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tiny_lm_dir}", "reward=hf_classifier",
+                                 "reward.name_or_path=/nonexistent/clf"])
+    with pytest.raises(FileNotFoundError, match="/nonexistent/clf"):
+        run(cfg)
+
+
+def test_vocab_mismatch(tmp_path, tiny_lm_dir, other_tiny_lm_dir):
+    cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tiny_lm_dir}",
+                                 f"model.ref_name_or_path={other_tiny_lm_dir}"])
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        run(cfg)
+
+
+def test_non_finite_loss_fails_the_run(tmp_path, monkeypatch):
+    from klbench.tabular import TabularReward
+    calls = {"n": 0}
+    original = TabularReward.__call__
+
+    def poisoned(self, ids):
+        calls["n"] += 1
+        r = original(self, ids)
+        return r * float("nan") if calls["n"] > 5 else r
+
+    monkeypatch.setattr(TabularReward, "__call__", poisoned)
+    cfg = compose_cfg(tmp_path, TABULAR + ["task.val_every=100"])
+    with pytest.raises(FloatingPointError, match=r"non-finite loss at step \d+"):
+        run(cfg)
+    _, runs = mlflow_run(cfg)
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_ddp_two_cpu_processes(tmp_path):
+    """A real 2-process DDP run through the CLI (Lightning relaunches the Hydra command for rank 1)."""
+    import os
+    import subprocess
+    env = {**os.environ, "KLBENCH_OUTPUTS": str(tmp_path / "outputs"), "HF_HUB_OFFLINE": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run(["klbench", "experiment=tabular", "hardware=ddp", "hardware.accelerator=cpu",
+                           "hardware.devices=2", "task.max_steps=6", "task.val_every=3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("klbench").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # rank 1 logs nothing of its own
+    assert runs[0].data.params["hardware.strategy"] == "ddp"
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "val/seq_kl")]
+    assert steps == [0, 3, 6]
