@@ -176,7 +176,8 @@ def embedded_spec(preset: str, overrides) -> dict:
                "student": models.DEFAULT_STUDENT_SPEC}
     if preset not in presets:
         raise ValueError(f"model.preset={preset!r} is unknown; valid: {', '.join(presets)}")
+    overrides = {k: v for k, v in dict(overrides).items() if v is not None}
     unknown = sorted(set(overrides) - set(presets[preset]))
     if unknown:
         raise ValueError(f"model.spec has unknown key(s) {unknown}; valid: {', '.join(sorted(presets[preset]))}")
-    return {**presets[preset], **dict(overrides)}
+    return {**presets[preset], **overrides}

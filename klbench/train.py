@@ -112,8 +112,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     os.makedirs(cfg.paths.outputs, exist_ok=True)
     if cfg.task.name == "pretrain":
-        from klbench.tasks.pretrain import run_task
-        return run_task(cfg)
+        return pretrain_embedded(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     t0 = time.time()
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs, cfg.get("teacher"))
@@ -151,6 +150,28 @@ def _print_summary(before: dict | None, after: dict, step: int, seconds: float) 
     for k in keys:
         b = f"{before[k]:.4f}" if before and k in before else "-"
         print(f"{k:<22} {b:>16} {after[k]:>18.4f}")
+
+
+def pretrain_embedded(cfg: DictConfig) -> dict[str, float]:
+    """task=pretrain: build (or, with task.force, rebuild) the embedded LM that model=embedded describes."""
+    import json
+    import shutil
+
+    from klbench import models
+    from klbench.policies import embedded_spec
+    if cfg.model.kind != "embedded":
+        raise ValueError(f"task=pretrain builds the embedded LMs: it needs model=embedded, got model.kind={cfg.model.kind}")
+    spec = embedded_spec(cfg.model.preset, cfg.model.spec)
+    path = models.embedded_lm_dir(spec, cfg.paths.outputs)
+    if cfg.task.force and os.path.isdir(path):
+        shutil.rmtree(path)
+    path = models.ensure_embedded_lm(spec, cfg.paths.outputs)
+    with open(os.path.join(path, "pretrain_metrics.json")) as f:
+        metrics = json.load(f)
+    print(f"klbench: embedded {spec['name']} LM at {path}")
+    for k, v in sorted(metrics.items()):
+        print(f"  {k:<24} {v}")
+    return metrics
 
 
 def build_task(cfg: DictConfig, policy, reward) -> pl.LightningModule:
