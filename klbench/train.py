@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -15,6 +16,9 @@ from klbench.estimators import GRADIENT_ESTIMATORS, gradient_estimator
 from klbench.policies import TabularPolicy, build_policy
 
 TABULAR_PROMPT = "<tabular>"
+# LMPolicy keeps its models in eval mode on purpose (no dropout: see policies.py); Lightning's notice about it
+# would only alarm users at every run
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
 def check_config(cfg: DictConfig) -> None:
