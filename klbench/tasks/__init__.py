@@ -1,0 +1,1 @@
+"""LightningModules and task runners: rl, distill, pretrain."""
