@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from klbench.estimators.chunked import exact_token_kl
+from klbench.estimators.chunked import default_chunk_rows, exact_token_kl
 
 
 @dataclass
@@ -19,6 +19,7 @@ class KLBatch:
     ref_logits: [B, T, V] optional next-token logits of pi_ref
     group:      [B] optional int prompt ids; samples of one prompt share an id (loo needs them)
     chunk_rows: rows of [rows, V] float32 that the exact per-position KL materialises at once
+                (None: chosen from V and the device by `default_chunk_rows`)
     """
 
     logp: torch.Tensor
@@ -27,7 +28,7 @@ class KLBatch:
     logits: torch.Tensor | None = None
     ref_logits: torch.Tensor | None = None
     group: torch.Tensor | None = None
-    chunk_rows: int = 256
+    chunk_rows: int | None = None
     _kappa: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,7 +62,10 @@ class KLBatch:
             if self.group.shape != shape[:1] or self.group.is_floating_point() or self.group.dtype == torch.bool:
                 raise ValueError(f"KLBatch.group must be an int tensor of shape [{shape[0]}], got "
                                  f"{self.group.dtype} {tuple(self.group.shape)}")
-        if self.chunk_rows < 1:
+        if self.chunk_rows is None and self.logits is not None:
+            # resolved here so that whoever reads batch.chunk_rows sees the number actually used
+            self.chunk_rows = default_chunk_rows(self.logits.shape[-1], self.logits.device)
+        if self.chunk_rows is not None and self.chunk_rows < 1:
             raise ValueError(f"KLBatch.chunk_rows must be >= 1, got {self.chunk_rows}")
 
     def _check_logits(self) -> None:
