@@ -86,3 +86,17 @@ class HFClassifierReward:
         if not out:
             return torch.zeros(0, dtype=torch.float32)
         return torch.cat(out).cpu()  # [B]
+
+
+def build_reward(cfg, policy):
+    """The `reward` group: vader, hf_classifier, tabular (needs the tabular policy's model) or none."""
+    if cfg.kind == "none":
+        return None
+    if cfg.kind == "tabular":
+        from klbench.tabular import TabularReward
+        return TabularReward(policy.table, seed=cfg.seed, scale=cfg.scale)
+    if cfg.kind == "vader":
+        return VaderReward()
+    if cfg.kind == "hf_classifier":
+        return HFClassifierReward(cfg.name_or_path, cfg.label, batch_size=cfg.batch_size, score=cfg.score)
+    raise ValueError(f"reward.kind must be vader, hf_classifier, tabular or none; got {cfg.kind!r}")

@@ -9,11 +9,13 @@ import warnings
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from klbench import tracking
 from klbench.estimators import GRADIENT_ESTIMATORS, gradient_estimator
 from klbench.policies import TabularPolicy, build_policy
+from klbench.rewards import build_reward
+from klbench.tasks import build_task
 
 TABULAR_PROMPT = "<tabular>"
 # LMPolicy keeps its models in eval mode on purpose (no dropout: see policies.py); Lightning's notice about it
@@ -65,21 +67,6 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError("hardware.precision=bf16 but this GPU does not support bfloat16")
 
 
-def build_reward(cfg: DictConfig, policy):
-    """The `reward` group. TODO(lead): move into klbench/rewards.py once it lands."""
-    if cfg.kind == "none":
-        return None
-    if cfg.kind == "tabular":
-        from klbench.tabular import TabularReward
-        return TabularReward(policy.table, seed=cfg.seed, scale=cfg.scale)
-    from klbench import rewards
-    if cfg.kind == "vader":
-        return rewards.VaderReward()
-    if cfg.kind == "hf_classifier":
-        return rewards.HFClassifierReward(cfg.name_or_path, cfg.label, batch_size=cfg.batch_size, score=cfg.score)
-    raise ValueError(f"reward.kind must be vader, hf_classifier, tabular or none; got {cfg.kind!r}")
-
-
 def build_data(cfg: DictConfig, policy) -> pl.LightningDataModule:
     from klbench.data import PromptData, load_prompts
     t = cfg.task
@@ -116,7 +103,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     os.makedirs(cfg.paths.outputs, exist_ok=True)
     if cfg.task.name == "pretrain":
-        return pretrain_embedded(cfg)
+        from klbench.tasks.pretrain import run_task
+        return run_task(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     t0 = time.time()
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs, cfg.get("teacher"))
@@ -154,38 +142,3 @@ def _print_summary(before: dict | None, after: dict, step: int, seconds: float) 
     for k in keys:
         b = f"{before[k]:.4f}" if before and k in before else "-"
         print(f"{k:<22} {b:>16} {after[k]:>18.4f}")
-
-
-def pretrain_embedded(cfg: DictConfig) -> dict[str, float]:
-    """task=pretrain: build (or, with task.force, rebuild) the embedded LM that model=embedded describes."""
-    import json
-    import shutil
-
-    from klbench import models
-    from klbench.policies import embedded_spec
-    if cfg.model.kind != "embedded":
-        raise ValueError(f"task=pretrain builds the embedded LMs: it needs model=embedded, got model.kind={cfg.model.kind}")
-    spec = embedded_spec(cfg.model.preset, cfg.model.spec)
-    path = models.embedded_lm_dir(spec, cfg.paths.outputs)
-    if cfg.task.force and os.path.isdir(path):
-        shutil.rmtree(path)
-    path = models.ensure_embedded_lm(spec, cfg.paths.outputs)
-    with open(os.path.join(path, "pretrain_metrics.json")) as f:
-        metrics = json.load(f)
-    print(f"klbench: embedded {spec['name']} LM at {path}")
-    for k, v in sorted(metrics.items()):
-        print(f"  {k:<24} {v}")
-    return metrics
-
-
-def build_task(cfg: DictConfig, policy, reward) -> pl.LightningModule:
-    """The `task` group: one LightningModule class per task name."""
-    from klbench.tasks.rl import RLTask
-    frontier = None
-    if isinstance(policy, TabularPolicy) and reward is not None:
-        frontier = policy.table.pareto_frontier(reward.table)
-    est = OmegaConf.to_container(cfg.estimator, resolve=True)
-    task = OmegaConf.to_container(cfg.task, resolve=True)
-    if cfg.task.name in ("rl", "distill"):  # distillation is RL with beta = 1 and (by default) no reward
-        return RLTask(policy, reward, est, task, frontier)
-    raise ValueError(f"task.name={cfg.task.name!r} is unknown; valid: rl, distill, pretrain")

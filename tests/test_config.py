@@ -1,7 +1,6 @@
 """Every option of every config group composes, and the run pieces it selects build."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from klbench.policies import LMPolicy, TabularPolicy, build_policy
-from klbench.train import build_data, build_reward, build_task, build_trainer, check_config
+from klbench.rewards import build_reward
+from klbench.tasks import build_task
+from klbench.train import build_data, build_trainer, check_config
 from klbench.tracking import build_logger
 from test_config import GROUPS, compose_cfg
 
@@ -115,8 +117,8 @@ def test_task_options_build(tmp_path, option):
     cfg = compose_cfg(tmp_path, over)
     check_config(cfg)
     if option == "pretrain":
-        from klbench.train import pretrain_embedded
-        metrics = pretrain_embedded(cfg)
+        from klbench.tasks.pretrain import run_task
+        metrics = run_task(cfg)
         assert metrics["steps"] == 3 and metrics["heldout_loss"] > 0
         return
     policy = build_policy(cfg.model, 4, cfg.paths.outputs, cfg.get("teacher"))

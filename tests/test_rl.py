@@ -44,7 +44,9 @@ def test_tabular_rl_learns_and_logs_to_mlflow(tmp_path):
 
 def test_tabular_val_seq_kl_is_exact(tmp_path):
     from klbench.policies import build_policy
-    from klbench.train import build_data, build_reward, build_task
+    from klbench.rewards import build_reward
+    from klbench.tasks import build_task
+    from klbench.train import build_data
     cfg = compose_cfg(tmp_path, TABULAR + ["logger=none"])
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs)
     with torch.no_grad():

@@ -9,7 +9,9 @@ through klbench.models.load_causal_lm like any hub model.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 
 import lightning as L
@@ -145,3 +147,24 @@ def _pretrain(spec: dict, out_dir: str, progress: bool, tokenizer) -> dict:
             "time_s": time.time() - t0, "fit_time_s": fit_s, "tokens": int(tokens), "tokens_per_s": tokens / fit_s,
             "n_params": sum(p.numel() for p in model.parameters()), "steps": spec["steps"],
             "num_threads": torch.get_num_threads()}
+
+
+def run_task(cfg) -> dict[str, float]:
+    """task=pretrain: build (or, with task.force, rebuild) the embedded LM that model=embedded describes."""
+    import shutil
+
+    from klbench import models
+    from klbench.policies import embedded_spec
+    if cfg.model.kind != "embedded":
+        raise ValueError(f"task=pretrain builds the embedded LMs: it needs model=embedded, got model.kind={cfg.model.kind}")
+    spec = embedded_spec(cfg.model.preset, cfg.model.spec)
+    path = models.embedded_lm_dir(spec, cfg.paths.outputs)
+    if cfg.task.force and os.path.isdir(path):
+        shutil.rmtree(path)
+    path = models.ensure_embedded_lm(spec, cfg.paths.outputs)
+    with open(os.path.join(path, "pretrain_metrics.json")) as f:
+        metrics = json.load(f)
+    print(f"klbench: embedded {spec['name']} LM at {path}")
+    for k, v in sorted(metrics.items()):
+        print(f"  {k:<24} {v}")
+    return metrics
