@@ -258,7 +258,8 @@ def exact_frontier(config: DictConfig):
     model, reward = config.model, config.reward
     if model.kind != "tabular" or reward.kind != "tabular":
         return None
-    swept = [k for k in (config.hydra.sweeper.get("params") or {}) if k.split(".")[0] in ("model", "reward")]
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}  # absent when composed without hydra
+    swept = [k for k in params if k.split(".")[0] in ("model", "reward")]
     if swept:
         log.info("no exact frontier: the sweep changes %s, so trials do not share one", swept)
         return None
