@@ -199,17 +199,20 @@ def plot_bands(bands: dict[str, Band], path: Path, title: str = "", log_y: bool 
 
 def write_report(curves: Sequence[Curve], out_dir: str | Path, title: str = "", steps: Sequence[int] | None = None,
                  log_y: bool | None = None) -> dict[str, Any]:
-    """The plot, the markdown table and the long-form CSV in out_dir; returns paths, rows and bands."""
+    """The plot, the markdown table (`steps`, default about six) and the CSV (every step) in out_dir;
+    returns their paths, the table's rows and the bands."""
     bands = aggregate(curves)
     if not bands:
         raise ValueError("no usable runs: every run lacks a val/seq_kl history")
     out = Path(out_dir)
+    every = sorted({int(s) for b in bands.values() for s in b.steps})
     table_steps = list(steps) if steps else pick_steps(common_steps(bands))
-    rows = summary_rows(bands, table_steps)
+    rows = summary_rows(bands, table_steps)  # the markdown table: a few steps
     png = plot_bands(bands, out / FILES[0], title, log_y)
     md = out / FILES[1]
     md.write_text(format_markdown(rows))
-    return {"png": png, "md": md, "csv": write_csv(rows, out / FILES[2]), "rows": rows, "bands": bands}
+    csv_path = write_csv(summary_rows(bands, every), out / FILES[2])  # the CSV: every validation step
+    return {"png": png, "md": md, "csv": csv_path, "rows": rows, "bands": bands}
 
 
 # ---- MLflow ----

@@ -207,7 +207,9 @@ def test_report_means_ratios_and_files(tmp_path, synthetic_store):
     md = rep["md"].read_text()
     assert "| rb | 3 | 3.000 ± 1.000 (0.50x) | 1.000 ± 0.500 (0.25x) |" in md
     assert "| token | 3 | 6.000 ± 0.500 (1.00x) | 4.000 ± 0.500 (1.00x) |" in md
-    assert rep["csv"].read_text().splitlines()[0] == "estimator,step,n,mean,std,min,max,ratio_to_token"
+    lines = rep["csv"].read_text().splitlines()
+    assert lines[0] == "estimator,step,n,mean,std,min,max,ratio_to_token"
+    assert len(lines) == 1 + 2 * 3  # every step of both estimators, not only the table's
 
 
 def test_log_report_makes_a_parent_run_and_recomputation_skips_it(tmp_path, synthetic_store):
@@ -255,9 +257,26 @@ def test_cli_recomputes_from_an_experiment(tmp_path, synthetic_store, capsys):
 
 # ---- the one command, through Hydra's multirun and the callback ----
 
-@pytest.mark.slow
+@pytest.mark.parametrize("experiment,kind", [("distill_estimators", "embedded"),
+                                             ("distill_estimators_tabular", "tabular")])
+def test_comparison_configs(experiment, kind):
+    """Five estimators x three seeds at one step budget, the report callback, and no hydra.mode (users pass -m)."""
+    from hydra import compose, initialize_config_dir
+
+    from test_config import ROOT
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="test"):
+        cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert sorted(params.estimator.split(",")) == sorted(ESTIMATORS) and params.seed.split(",") == ["0", "1", "2"]
+    assert cfg.hydra.mode is None and cfg.hydra.sweeper._target_.endswith("BasicSweeper")
+    assert cfg.hydra.callbacks.distill_report._target_ == "klbench.distill_report.DistillReport"
+    assert (cfg.task.name, cfg.estimator.beta, cfg.model.kind, cfg.teacher.kind) == ("distill", 1.0, kind, kind)
+    assert cfg.logger.experiment == f"distill-estimators-{kind}"
+
+
 def test_distill_estimators_multirun_end_to_end(tmp_path):
-    """`klbench -m experiment=distill_estimators_tabular`, shrunk: 5 estimators x 1 seed, then the report."""
+    """`klbench -m experiment=distill_estimators_tabular`, shrunk: 5 estimators x 1 seed, then the report
+    (~20 s: the only test of the multirun + callback wiring, so it stays in the default set)."""
     env = {**os.environ, "KLBENCH_OUTPUTS": str(tmp_path / "outputs"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "klbench"), "-m",
