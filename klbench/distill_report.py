@@ -17,7 +17,6 @@ import csv
 import logging
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
