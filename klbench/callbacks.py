@@ -253,8 +253,8 @@ def _new_parent(client, exp_id: str, config: DictConfig, study, n_trials) -> str
 
 
 def exact_frontier(config: DictConfig):
-    """The exact reward-vs-KL frontier of the tabular model and reward the trials train on, built from
-    the same config keys as klbench.policies.build_policy and the tabular reward; None otherwise."""
+    """The exact reward-vs-KL frontier of the tabular model and reward the trials train on (built by the
+    same build_policy / build_reward the trials use); None otherwise."""
     model, reward = config.model, config.reward
     if model.kind != "tabular" or reward.kind != "tabular":
         return None
@@ -263,9 +263,10 @@ def exact_frontier(config: DictConfig):
     if swept:
         log.info("no exact frontier: the sweep changes %s, so trials do not share one", swept)
         return None
-    from klbench.tabular import TabularModel, TabularReward
-    table = TabularModel(model.K, model.T, eos=model.eos, seed=model.ref_seed, ref_scale=model.ref_scale)
-    return table.pareto_frontier(TabularReward(table, seed=reward.seed, scale=reward.scale).table)
+    from klbench.policies import build_policy
+    from klbench.rewards import build_reward
+    policy = build_policy(model, max_new_tokens=1, outputs_dir="")  # tabular: nothing is read from disk
+    return policy.table.pareto_frontier(build_reward(reward, policy).table)
 
 
 def _log_frontier_gaps(client, parent: str, runs, frontier) -> None:
