@@ -9,10 +9,12 @@ talk only through files in the sweep folder and environment variables that the s
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +44,13 @@ class SweepTracking(Callback):
     # ---- sweeper side ----
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _tolerate_grid_stop()
         try:
             self._start(config)
+            if self.parent_run_id is not None:
+                # the plugin can end a sweep with an exception (too many failed trials in a batch),
+                # and then Hydra skips on_multirun_end: the parent run must not stay RUNNING
+                atexit.register(self._abandoned)
         except Exception as e:
             # Hydra downgrades callback exceptions to warnings; a sweep that would mix into another
             # study, or whose trials could not be tracked, must not start.
@@ -75,27 +82,40 @@ class SweepTracking(Callback):
         self.parent_run_id = parent
         log.info("MLflow parent run %s in experiment %r (%s)", parent, lg.experiment, lg.tracking_uri)
 
+    def _abandoned(self) -> None:
+        from mlflow import MlflowClient
+        client = MlflowClient(self.tracking_uri)
+        if client.get_run(self.parent_run_id).info.status == "RUNNING":
+            client.set_tag(self.parent_run_id, "klbench.error", "the sweep process ended with an error before "
+                                                                "the sweep's end (see its console)")
+            client.set_terminated(self.parent_run_id, "FAILED")
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.parent_run_id is None:
             return
+        atexit.unregister(self._abandoned)
         from mlflow import MlflowClient
         client = MlflowClient(self.tracking_uri)
         try:
             self._finish(client, config)
         except Exception:
             log.exception("could not summarise sweep run %s; marking it FAILED", self.parent_run_id)
+            client.set_tag(self.parent_run_id, "klbench.error", traceback.format_exc(limit=0)[-5000:])
             client.set_terminated(self.parent_run_id, "FAILED")
 
     def _finish(self, client, config: DictConfig) -> None:
-        from klbench.pareto import collect_runs, format_table, log_pareto
+        from klbench.pareto import collect_runs, describe_groups, format_table, group_runs, log_pareto
         parent = self.parent_run_id
         children = client.search_runs([client.get_run(parent).info.experiment_id],
                                       f"tags.mlflow.parentRunId = '{parent}'", max_results=50000)
         statuses = sorted({r.info.status for r in children})
         counts = {s: sum(r.info.status == s for r in children) for s in statuses}
         client.set_tag(parent, "klbench.sweep.trials", ", ".join(f"{n} {s}" for s, n in counts.items()) or "none")
-        runs = collect_runs(client, parent_run_id=parent)
+        runs = collect_runs(client, parent_run_id=parent, noticed_by="the sweep's end")
         log.info("sweep %s: trial runs %s; for the Pareto plot: %s", parent, counts, runs.describe())
+        swept = list(OmegaConf.select(config, "hydra.sweeper.params") or {})
+        if len(groups := group_runs(runs, vary=swept)) > 1:
+            raise ValueError(f"the trials are not comparable, so no one frontier: {describe_groups(groups)}")
         if not runs:
             client.set_tag(parent, "klbench.sweep.result", "no trial finished with finite val/reward and val/seq_kl")
             log.error("sweep %s: no trial finished with usable metrics; parent run marked FAILED", parent)
@@ -134,13 +154,38 @@ class SweepTracking(Callback):
         run_id = id_file.read_text().strip() if id_file.is_file() else None
         err = getattr(job_return, "_return_value", None)  # JobReturn.return_value re-raises
         # SystemExit & co. are control flow (submitit requeueing a job, a kill): the trial goes on elsewhere
-        if job_return.status == JobStatus.FAILED and isinstance(err, Exception):
+        from klbench.schema import ConfigError
+        if job_return.status == JobStatus.FAILED and isinstance(err, ConfigError):
+            log.error("trial not run: %s", err)  # stopped before anything was built: no MLflow run
+        elif job_return.status == JobStatus.FAILED and isinstance(err, Exception):
             run_id = _record_failure(client, config, err, run_id)
         if run_id:
             client.set_tag(run_id, "klbench.run_dir", str(run_dir))
 
 
 # ---- the Optuna study: resume instead of duplicate ----
+
+def _tolerate_grid_stop() -> None:
+    """Optuna's GridSampler calls study.stop() after the trial that completes the grid, and stop() raises
+    outside study.optimize. The sweeper plugin catches that for a completed trial but not for a failed
+    one, so a sweep whose last grid trial failed exited 1 though every result was recorded. Only that
+    one error is swallowed, and only in the sweep's own process."""
+    import optuna
+    grid = optuna.samplers.GridSampler
+    if getattr(grid.after_trial, "_klbench", False):
+        return
+    original = grid.after_trial
+
+    def after_trial(self, study, trial, state, values):
+        try:
+            original(self, study, trial, state, values)
+        except RuntimeError as e:
+            if "Study.stop" not in str(e):
+                raise
+
+    after_trial._klbench = True
+    grid.after_trial = after_trial
+
 
 def _prepare_study(config: DictConfig):
     """Opens the sweep's study, closes trials a dead sweep left RUNNING and re-queues their parameters,
@@ -177,6 +222,12 @@ def _prepare_study(config: DictConfig):
     done = sum(t.state.is_finished() and t.number not in retried for t in trials)
     total = _study_total(config)
     _set_hydra_value(config, "sweeper.n_trials", max(0, total - done))
+    seed = sw.get("sampler", {}).get("seed")
+    if trials and seed is not None:
+        # the sampler restarts with every invocation: with the first invocation's seed its random
+        # start-up trials would propose the same points again. Offset by the study's size, so a rerun
+        # of the same command still proposes the same (new) points.
+        _set_hydra_value(config, "sweeper.sampler.seed", int(seed) + len(trials))
     log.info("study %r: %d of %d trials finished, running %d", name, done, total, sw.n_trials)
     return study
 
@@ -213,6 +264,8 @@ def _study_total(config: DictConfig) -> int:
 def _reopen_parent(client, study, exp_id: str) -> str | None:
     """The parent run of an earlier invocation of this study, set RUNNING again; None if there is none here."""
     from mlflow.exceptions import MlflowException
+
+    from klbench.runs import owner_tags, reap
     run_id = study.user_attrs.get(STUDY_PARENT)
     if not run_id:
         return None
@@ -223,11 +276,11 @@ def _reopen_parent(client, study, exp_id: str) -> str | None:
         return None
     if run.info.lifecycle_stage != "active" or run.info.experiment_id != exp_id:
         return None
+    for dead in reap(client, [exp_id], noticed_by="a resumed sweep"):
+        log.warning("run %s was left RUNNING by a process that is gone: marked KILLED", dead)
+    for k, v in owner_tags().items():
+        client.set_tag(run_id, k, v)
     client.update_run(run_id, status="RUNNING")
-    for child in client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{run_id}' "
-                                              "and attributes.status = 'RUNNING'"):
-        client.set_terminated(child.info.run_id, "KILLED")  # its process died with the last sweep
-        log.warning("trial run %s was left RUNNING by the interrupted sweep: marked KILLED", child.info.run_id)
     log.info("resuming the study's parent run %s", run_id)
     return run_id
 
@@ -237,7 +290,8 @@ def _new_parent(client, exp_id: str, config: DictConfig, study, n_trials) -> str
     sw = config.hydra.sweeper
     sweep = OmegaConf.select(config, "hydra.runtime.choices.sweep") or "multirun"
     name = f"sweep-{study.study_name}" if study is not None else f"sweep-{sweep}"
-    tags = {"klbench.sweep": sweep}
+    from klbench.runs import owner_tags
+    tags = {"klbench.sweep": sweep, **owner_tags()}
     if study is not None:
         tags.update({"optuna.study_name": study.study_name, "optuna.storage": str(sw.storage)})
     run_id = client.create_run(exp_id, run_name=name, tags=tags).info.run_id

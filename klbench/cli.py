@@ -1,24 +1,63 @@
-"""`klbench`: the Hydra entry point. Returns (val/reward, val/seq_kl) for the Optuna sweeper."""
+"""`klbench`: the Hydra entry point. Returns (val/reward, val/seq_kl) for the Optuna sweeper.
+
+The config is checked (klbench.schema) before torch, Lightning or MLflow are imported, so a bad value
+fails in about a second, leaves no MLflow run and no run folder.
+"""
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+
+from klbench import store
 
 ROOT = Path(__file__).resolve().parent.parent
 # conf/config.yaml puts ${klbench_root:}/sweeps on Hydra's search path wherever klbench is run from
 OmegaConf.register_resolver("klbench_root", lambda: str(ROOT), replace=True)
+# one place (klbench.store) decides where the record lives, for runs, sweeps and klbench-pareto alike
+OmegaConf.register_resolver("klbench_outputs", lambda: str(store.outputs_dir()), replace=True)
+OmegaConf.register_resolver("klbench_tracking_uri", store.tracking_uri, replace=True)
 
 
 @hydra.main(config_path=str(ROOT / "conf"), config_name="config",
             execution_whitelist=("klbench.*",))
 def main(cfg: DictConfig) -> tuple[float, float] | None:
+    try:
+        check(cfg)
+    except ValueError as e:
+        _discard_run_folder()
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # fails this trial only; the sweep records it and goes on
+        sys.exit(f"klbench: error: {e}")
     from klbench.train import run
     metrics = run(cfg)
     if cfg.task.name == "pretrain":
         return None
     return metrics["val/reward"], metrics["val/seq_kl"]
+
+
+def check(cfg: DictConfig) -> None:
+    """Everything that can be told from the config alone (no torch, no MLflow)."""
+    from klbench.schema import ConfigError, validate
+    hc = HydraConfig.get()
+    sweep = hc.runtime.choices.get("sweep")
+    if sweep and hc.mode != RunMode.MULTIRUN:
+        raise ConfigError(f"sweep={sweep} is a sweep: run it with -m (klbench -m sweep={sweep} ...); "
+                         "without -m it would be a single run filed under the sweep's experiment")
+    validate(cfg)
+
+
+def _discard_run_folder() -> None:
+    """A run stopped by its config leaves nothing behind: Hydra made its folder before calling us, and
+    it holds only Hydra's own files."""
+    out = Path(HydraConfig.get().runtime.output_dir)
+    if out.is_dir() and all(p.name in (".hydra", "klbench.log", "cli.log") for p in out.iterdir()):
+        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Prompt datasets (config group `dataset`): embedded review openings, a jsonl file, or an HF dataset."""
 from __future__ import annotations
 
-import json
 import os
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
+
+from klbench.prompts_jsonl import read_prompts
 
 
 def load_prompts(cfg) -> tuple[list[str], list[str]]:
@@ -23,20 +24,7 @@ def load_prompts(cfg) -> tuple[list[str], list[str]]:
 
 
 def _read_jsonl(path: str, field: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset path {path!r} does not exist")
-    out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if field not in row:
-                raise ValueError(f"{path}:{i} has no field {field!r} (dataset.field); keys: {sorted(row)}")
-            out.append(str(row[field]))
-    if not out:
-        raise ValueError(f"dataset path {path!r} holds no prompts")
-    return out
+    return read_prompts(path, field)  # the reader klbench.schema checks the files with
 
 
 def _read_hf(name: str, split: str, field: str, words: int, limit: int) -> list[str]:

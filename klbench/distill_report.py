@@ -399,8 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from klbench.pareto import default_tracking_uri
-    uri = args.tracking_uri or default_tracking_uri()
+    from klbench.store import tracking_uri
+    uri = args.tracking_uri or tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
         print(f"klbench-distill-report: error: no MLflow database at {uri[len('sqlite:///'):]}", file=sys.stderr)
         return 1

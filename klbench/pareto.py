@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
 import sys
 import tempfile
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from klbench import runs, store
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -262,13 +263,16 @@ def _experiment_ids(client: MlflowClient, names: Sequence[str]) -> list[str]:
 
 
 def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = None,
-                 run_ids: Sequence[str] | None = None, parent_run_id: str | None = None) -> RunPoints:
-    """Finished runs with final `val/reward` and `val/seq_kl` and an `estimator.name` param, one dict each.
+                 run_ids: Sequence[str] | None = None, parent_run_id: str | None = None,
+                 noticed_by: str = "klbench-pareto") -> RunPoints:
+    """Runs that FINISHED all their steps, with final `val/reward` and `val/seq_kl` and an `estimator.name`
+    param, one dict each (its logged params under "params", for group_runs).
 
     `experiment_names` takes every run of those experiments; `parent_run_id` keeps only that sweep's
     children (searched in the parent's experiment unless experiment_names is given); `run_ids` adds
-    runs by id. Other statuses, missing or non-finite metrics, a missing estimator name and sweep
-    parent runs are skipped and recorded in `.skipped` (reason -> run ids).
+    runs by id. Other statuses, runs stopped before their max_steps, missing or non-finite metrics, a
+    missing estimator name and sweep parent runs are skipped and recorded in `.skipped` (reason -> run
+    ids). RUNNING runs whose process on this host is gone are first marked KILLED (klbench.runs.reap).
     """
     if not (experiment_names or run_ids or parent_run_id):
         raise ValueError("give experiment_names, run_ids or parent_run_id")
@@ -276,6 +280,9 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
     exp_ids = _experiment_ids(client, experiment_names) if experiment_names else []
     if parent_run_id:
         exp_ids = exp_ids or [client.get_run(parent_run_id).info.experiment_id]
+    picked = [client.get_run(rid) for rid in run_ids or []]
+    runs.reap(client, sorted(set(exp_ids) | {r.info.experiment_id for r in picked}), noticed_by)
+    if parent_run_id:
         found += _search(client, exp_ids, f"tags.mlflow.parentRunId = '{parent_run_id}'")
     elif exp_ids:
         found += _search(client, exp_ids)
@@ -295,6 +302,8 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
             out.skip("pareto summary run", rid)
         elif run.info.status != "FINISHED":
             out.skip(f"status {run.info.status}", rid)
+        elif not (done := runs.completed(run.data.tags))[0]:
+            out.skip(done[1] if done[1].startswith("no ") else "stopped before max_steps", rid)
         elif missing := [m for m in (REWARD, SEQ_KL) if m not in metrics]:
             out.skip(f"missing metric {missing[0]}", rid)
         elif bad := [m for m in (REWARD, SEQ_KL) if not math.isfinite(metrics[m])]:
@@ -309,8 +318,37 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
                         "experiment_id": eid, "estimator": str(_param(params, "estimator")),
                         "beta": _param(params, "beta"), "lam": _param(params, "lam"),
                         "seed": _param(params, "seed"), "reward": metrics[REWARD],
-                        "seq_kl": metrics[SEQ_KL], "status": run.info.status})
+                        "seq_kl": metrics[SEQ_KL], "status": run.info.status, "params": dict(params)})
     return out
+
+
+# Differ between the runs of one comparison without changing what they measure: the swept estimator
+# and its options, the seed, and bookkeeping (where the run wrote, how it was logged, how it resumed).
+NOT_COMPARED = ("estimator", "seed", "logger", "paths", "ckpt_path", "ckpt_allow_changes", "optimized_metrics")
+
+
+def _compared(key: str, vary: Sequence[str]) -> bool:
+    return not any(key == p or key.startswith(p + ".") for p in (*NOT_COMPARED, *vary))
+
+
+def group_runs(points: Sequence[dict], vary: Sequence[str] = ()) -> list[tuple[dict[str, str], list[dict]]]:
+    """Splits points into groups of comparable runs: equal in every logged param except NOT_COMPARED and
+    the keys in `vary` (and anything under them). Returns [(the values that set the group apart, its
+    points)], largest group first; one group with {} when all are comparable."""
+    keys = sorted({k for p in points for k in p.get("params", {}) if _compared(k, vary)})
+    groups: dict[tuple, list[dict]] = {}
+    for p in points:
+        groups.setdefault(tuple(p.get("params", {}).get(k) for k in keys), []).append(p)
+    differing = [i for i in range(len(keys)) if len({sig[i] for sig in groups}) > 1]
+    return sorted((({keys[i]: sig[i] for i in differing}, pts) for sig, pts in groups.items()),
+                  key=lambda g: -len(g[1]))
+
+
+def describe_groups(groups: list[tuple[dict[str, str], list[dict]]]) -> str:
+    keys = sorted({k for labels, _ in groups for k in labels})
+    return f"{len(groups)} groups of runs that differ in {', '.join(keys)}: " + "; ".join(
+        f"[{i + 1}] {len(pts)} runs with " + ", ".join(f"{k}={v}" for k, v in labels.items())
+        for i, (labels, pts) in enumerate(groups))
 
 
 def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: Frontier | None = None,
@@ -339,21 +377,22 @@ def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: F
 
 # ---- klbench-pareto ----
 
-def default_tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'outputs' / 'mlflow.db'}"
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="klbench-pareto",
-        description="Recompute the reward-vs-sequence-KL Pareto frontier over MLflow runs (several sweeps "
-                    "merge), write pareto.png and pareto.csv, print frontier share and hypervolume.")
+        description="Recompute the reward-vs-sequence-KL Pareto frontier over MLflow runs that finished all "
+                    "their steps, one frontier per group of comparable runs; write pareto.png and pareto.csv, "
+                    "print frontier share and hypervolume.")
     p.add_argument("--experiment", action="append", default=[], metavar="NAME",
                    help="MLflow experiment name; repeat to merge several sweeps")
     p.add_argument("--run-ids", nargs="+", default=[], metavar="RUN_ID", help="add these runs")
     p.add_argument("--parent", metavar="RUN_ID", help="only the child runs of this sweep parent run")
-    p.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:////<cwd>/outputs/mlflow.db")
-    p.add_argument("--out", help="output folder (default: outputs/pareto/<timestamp>)")
+    p.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else the mlflow.db in $KLBENCH_OUTPUTS "
+                                          "(default ./outputs), as for klbench runs")
+    p.add_argument("--vary", action="append", default=[], metavar="KEY",
+                   help="a config key (e.g. task.lr) whose values may differ within one frontier; by default "
+                        "only the estimator, its options and the seed do")
+    p.add_argument("--out", help="output folder (default: <outputs>/pareto/<timestamp>)")
     p.add_argument("--ref-reward", type=float, default=DEFAULT_REF_POINT[0],
                    help="hypervolume reference reward (default %(default)g, the lowest VADER score)")
     p.add_argument("--ref-kl", type=float, default=DEFAULT_REF_POINT[1],
@@ -372,47 +411,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    uri = args.tracking_uri or default_tracking_uri()
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
-        # opening it would create an empty database and report every experiment as unknown
-        print(f"klbench-pareto: error: no MLflow database at {uri[len('sqlite:///'):]} "
-              "(pass --tracking-uri or set MLFLOW_TRACKING_URI)", file=sys.stderr)
-        return 1
-    client = MlflowClient(tracking_uri=uri)
+    uri = args.tracking_uri or store.tracking_uri()
     ref_point = (args.ref_reward, args.ref_kl)
     try:
+        store.open_store(uri, create=False)  # never an empty new database that knows no experiment
+        client = MlflowClient(tracking_uri=uri)
         if args.log_to:
             client.get_run(args.log_to)  # fail before any work on a mistyped run id
-        runs = collect_runs(client, args.experiment, args.run_ids, args.parent)
-        print(f"tracking URI: {uri}\nruns: {runs.describe()}")
-        if not runs:
-            print("klbench-pareto: error: no usable runs (finished, with val/reward, val/seq_kl and "
-                  "estimator.name)", file=sys.stderr)
-            return 1
-        out = Path(args.out or Path("outputs", "pareto", time.strftime("%Y%m%d-%H%M%S")))
-        recs, summary = summarize(runs, ref_point)
-        png = plot_pareto(recs, out / "pareto.png", ref_point=ref_point,
-                          title="Pareto frontier of " + ", ".join(sorted({r["experiment"] for r in recs})))
-        csv_path = write_csv(recs, out / "pareto.csv")
-        print(format_table(summary))
-        print(f"wrote {png} and {csv_path}")
+        found = collect_runs(client, args.experiment, args.run_ids, args.parent)
+        print(f"tracking URI: {uri}\nruns: {found.describe()}")
+        if not found:
+            raise ValueError("no usable runs (FINISHED at their max_steps, with val/reward, val/seq_kl and "
+                             "estimator.name)")
+        groups = group_runs(found, args.vary)
+        if len(groups) > 1:
+            if args.log_to or args.new_run:
+                raise ValueError(f"not logging one frontier for runs that are not comparable: "
+                                 f"{describe_groups(groups)}. Pick runs of one group, or pass --vary KEY")
+            print(f"not merged: {describe_groups(groups)}")
+        out = Path(args.out or store.outputs_dir() / "pareto" / time.strftime("%Y%m%d-%H%M%S"))
+        for i, (labels, pts) in enumerate(groups):
+            where = out if len(groups) == 1 else out / f"group-{i + 1}"
+            recs, summary = summarize(pts, ref_point)
+            what = ", ".join(sorted({r["experiment"] for r in recs}))
+            if labels:
+                what += " (" + ", ".join(f"{k}={v}" for k, v in labels.items()) + ")"
+                print(f"\ngroup {i + 1}: {what}")
+            png = plot_pareto(recs, where / "pareto.png", ref_point=ref_point, title="Pareto frontier of " + what)
+            print(format_table(summary))
+            print(f"wrote {png} and {write_csv(recs, where / 'pareto.csv')}")
         if args.log_to or args.new_run:
-            run_id = args.log_to or _new_run(client, args, runs)
-            log_pareto(client, run_id, runs, ref_point=ref_point)
+            run_id = args.log_to or _new_run(client, args, found)
+            log_pareto(client, run_id, found, ref_point=ref_point)
             if args.new_run:
                 client.set_terminated(run_id)
             print(f"logged pareto.png, pareto.csv and pareto/* metrics to MLflow run {run_id}")
-    except (ValueError, MlflowException) as e:
+    except (ValueError, MlflowException, store.StoreError) as e:
         print(f"klbench-pareto: error: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def _new_run(client: MlflowClient, args: argparse.Namespace, runs: RunPoints) -> str:
+def _new_run(client: MlflowClient, args: argparse.Namespace, found: RunPoints) -> str:
     if args.parent:
         exp_id = client.get_run(args.parent).info.experiment_id
     else:
-        exp_id = runs[0]["experiment_id"] if not args.experiment else _experiment_ids(client, args.experiment[:1])[0]
+        exp_id = found[0]["experiment_id"] if not args.experiment else _experiment_ids(client, args.experiment[:1])[0]
     sources = " ".join(args.experiment + args.run_ids + ([f"parent={args.parent}"] if args.parent else []))
     return client.create_run(exp_id, run_name=args.new_run, tags={SOURCES_TAG: sources}).info.run_id
 

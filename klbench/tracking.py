@@ -1,17 +1,32 @@
-"""The `logger` group: MLflow (default), CSV or none; run naming, config logging, sample tables.
+"""The `logger` group: MLflow (default), CSV or none; run naming, config logging, sample tables, and the
+rules that keep the MLflow record true.
 
-MLflow >= 3.13 refuses the ./mlruns file store, so the default store is SQLite under outputs/ with an
-absolute artifact root. A resumed run continues the same MLflow run (its id is kept in the run folder).
+- A run is RUNNING while it trains, FINISHED only after its last step and final validation, FAILED
+  (error in the `klbench.error` tag) on an exception, KILLED when interrupted (Ctrl-C, SIGTERM, a
+  requeue) or, for `kill -9`, when something notices its process is gone (klbench.runs.reap).
+  Lightning does not set the status: its loggers finalise the run after the step-0 `validate()`.
+- Metrics wait in memory and reach MLflow when the checkpoint is written (RecordCheckpoint), so the
+  record never holds a value that a resume computes again. The pending values also travel inside the
+  checkpoint, so a crash between writing it and committing them loses nothing.
+- A resumed run continues the same MLflow run (its id is kept in the run folder), goes back to
+  RUNNING, and never logs a step twice.
 """
 from __future__ import annotations
 
 import os
+import time
+from contextlib import contextmanager
 
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from klbench import runs, store
+
 RUN_ID_FILE = "mlflow_run_id.txt"
+CKPT_KEY = "klbench"  # the checkpoint's own section: config, pending metrics, step
 
 
 def run_name(cfg: DictConfig) -> str:
@@ -41,16 +56,95 @@ def flat_params(cfg: DictConfig) -> dict[str, str]:
 
 
 def ensure_experiment(tracking_uri: str, name: str, artifact_root: str) -> str:
-    """Create the store and the experiment once (SQLite schema migration races if many processes do it)."""
+    """Opens the store (created once, under a lock) and returns the experiment's id, creating it if needed."""
     import mlflow
-    if tracking_uri.startswith("sqlite:///"):
-        os.makedirs(os.path.dirname(tracking_uri[len("sqlite:///"):]), exist_ok=True)
+    from mlflow.exceptions import MlflowException
+    store.open_store(tracking_uri)
     client = mlflow.MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     os.makedirs(artifact_root, exist_ok=True)
-    return client.create_experiment(name, artifact_location=f"file://{os.path.abspath(artifact_root)}/{name}")
+    try:
+        return client.create_experiment(name, artifact_location=f"file://{os.path.abspath(artifact_root)}/{name}")
+    except MlflowException:  # another process created it since we looked
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+class RecordLogger(Logger):
+    """One MLflow run, written only at commits (see the module docstring). Rank zero holds the client;
+    other DDP ranks get a logger with none, whose methods do nothing."""
+
+    def __init__(self, client=None, run_id: str | None = None, experiment: str = "", logged_upto=None):
+        super().__init__()
+        self.client, self.run_id, self._experiment = client, run_id, experiment
+        self.pending: list[list] = []  # [key, value, timestamp ms, step]: JSON-like, for the checkpoint
+        # per metric, the last step already in the store (a resumed run): never logged again
+        self.logged_upto: dict[str, int] = dict(logged_upto or {})
+
+    @property
+    def name(self) -> str:
+        return self._experiment
+
+    @property
+    def version(self) -> str | None:
+        return self.run_id
+
+    @property
+    def experiment(self):
+        return self.client
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass  # build_logger logs the whole resolved config once, when it creates the run
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step: int | None = None) -> None:
+        now, step = int(time.time() * 1000), int(step or 0)
+        for key, value in metrics.items():
+            if step > self.logged_upto.get(key, -1):
+                self.pending.append([key, float(value), now, step])
+
+    def restore(self, pending: list[list]) -> None:
+        """Values a checkpoint carried: committed with the next commit unless already in the store."""
+        if self.client is not None:
+            self.pending = [m for m in pending if m[3] > self.logged_upto.get(m[0], -1)] + self.pending
+
+    @rank_zero_only
+    def commit(self, steps_done: int | None = None) -> None:
+        from mlflow.entities import Metric
+        if self.client is None:
+            return
+        batch = [Metric(k, v, t, s) for k, v, t, s in self.pending]
+        for i in range(0, len(batch), 1000):  # MLflow's log_batch limit
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+        for k, _, _, s in self.pending:
+            self.logged_upto[k] = max(s, self.logged_upto.get(k, -1))
+        self.pending = []
+        if steps_done is not None:
+            runs.progress(self.client, self.run_id, steps_done)
+
+    @rank_zero_only
+    def end(self, status: str, error: str | None = None) -> None:
+        if self.client is None:
+            return
+        if error:
+            self.client.set_tag(self.run_id, runs.ERROR if status == "FAILED" else runs.ENDED, error[:5000])
+        self.client.set_terminated(self.run_id, status)
+
+    def finalize(self, status: str) -> None:
+        pass  # Lightning calls this after every validate() and fit(): the run's end is train.run's to say
+
+    def after_save_checkpoint(self, checkpoint_callback) -> None:
+        pass  # RecordCheckpoint commits, once the file is in place
+
+
+def _last_steps(client, run_id: str) -> dict[str, int]:
+    keys = client.get_run(run_id).data.metrics
+    return {k: max(m.step for m in client.get_metric_history(run_id, k)) for k in keys}
 
 
 def build_logger(cfg: DictConfig, resume: bool = False):
@@ -62,22 +156,92 @@ def build_logger(cfg: DictConfig, resume: bool = False):
         return CSVLogger(save_dir=run_dir, name="csv", version="")
     if lg.kind != "mlflow":
         raise ValueError(f"logger.kind must be mlflow, csv or none; got {lg.kind!r}")
-    if rank_zero_only.rank == 0:  # DDP children get a logger that Lightning keeps silent
-        ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
+    if rank_zero_only.rank != 0:  # DDP: only rank zero writes the record
+        return RecordLogger(experiment=lg.experiment)
+    import mlflow
+    exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
+    client = mlflow.MlflowClient(lg.tracking_uri)
+    runs.reap(client, [exp_id], noticed_by=f"a run starting (pid {os.getpid()})")
     id_file = os.path.join(run_dir, RUN_ID_FILE)
-    run_id = open(id_file).read().strip() if resume and os.path.isfile(id_file) else None
-    tags = {"klbench.task": cfg.task.name, "klbench.estimator": cfg.estimator.name}
+    tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.max_steps)}
+    if resume and os.path.isfile(id_file):
+        run_id = open(id_file).read().strip()
+        try:
+            client.get_run(run_id)
+        except mlflow.exceptions.MlflowException as e:
+            raise ValueError(f"{id_file} names MLflow run {run_id}, which is not in {lg.tracking_uri}") from e
+        for k, v in tags.items():
+            client.set_tag(run_id, k, v)
+        for stale in (runs.ENDED, runs.ERROR):  # how the last attempt ended; this one starts afresh
+            if stale in client.get_run(run_id).data.tags:
+                client.delete_tag(run_id, stale)
+        client.update_run(run_id, status="RUNNING")
+        return RecordLogger(client, run_id, lg.experiment, _last_steps(client, run_id))
+    tags.update({"klbench.task": cfg.task.name, "klbench.estimator": cfg.estimator.name, runs.STEPS_DONE: "0"})
     if lg.get("parent_run_id"):
         tags["mlflow.parentRunId"] = lg.parent_run_id
-    logger = MLFlowLogger(experiment_name=lg.experiment, run_name=lg.run_name or run_name(cfg),
-                          tracking_uri=lg.tracking_uri, tags=tags, run_id=run_id)
-    if run_id is None and rank_zero_only.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(id_file, "w") as f:
-            f.write(logger.run_id)
-        logger.log_hyperparams(flat_params(cfg))
-        logger.experiment.log_text(logger.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-    return logger
+    run_id = client.create_run(exp_id, run_name=lg.run_name or run_name(cfg), tags=tags).info.run_id
+    os.makedirs(run_dir, exist_ok=True)
+    with open(id_file, "w") as f:
+        f.write(run_id)
+    from mlflow.entities import Param
+    params = [Param(k, v) for k, v in flat_params(cfg).items()]
+    for i in range(0, len(params), 100):  # MLflow's log_batch limit for params
+        client.log_batch(run_id, params=params[i:i + 100])
+    client.log_text(run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+    return RecordLogger(client, run_id, lg.experiment)
+
+
+@contextmanager
+def recorded(logger):
+    """Ends the MLflow run FAILED (error tagged) on an exception, KILLED on an interrupt, and re-raises.
+    Metrics computed before a failure are committed: they show how the run failed."""
+    if not isinstance(logger, RecordLogger):
+        yield
+        return
+    try:
+        yield
+    except Exception as e:
+        _end_quietly(logger, "FAILED", f"{type(e).__name__}: {e}", commit=True)
+        raise
+    except BaseException as e:  # KeyboardInterrupt, SystemExit (SIGTERM, a requeue): it may resume
+        _end_quietly(logger, "KILLED", f"interrupted: {type(e).__name__} {e}".strip(), commit=False)
+        raise
+
+
+def _end_quietly(logger: RecordLogger, status: str, why: str, commit: bool) -> None:
+    import logging
+    try:
+        if commit:
+            logger.commit()
+        logger.end(status, why)
+    except Exception:  # the store itself may be what failed; the original error matters more
+        logging.getLogger(__name__).exception("could not mark MLflow run %s %s", logger.run_id, status)
+
+
+class RecordCheckpoint(Callback):
+    """Writes <ckpt_dir>/last.ckpt after every validation of a fit, atomically (a kill mid-write leaves
+    the previous checkpoint whole), with the run's config and pending metrics; then commits them."""
+
+    def __init__(self, ckpt_dir: str, config: dict):
+        self.path = os.path.join(ckpt_dir, "last.ckpt")
+        self.config = config
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        tmp = self.path + ".tmp"
+        trainer.save_checkpoint(tmp, weights_only=False)
+        if trainer.is_global_zero:
+            os.replace(tmp, self.path)
+        trainer.strategy.barrier()
+        if isinstance(trainer.logger, RecordLogger):
+            trainer.logger.commit(trainer.global_step)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        pending = trainer.logger.pending if isinstance(trainer.logger, RecordLogger) else []
+        checkpoint[CKPT_KEY] = {"config": self.config, "pending_metrics": list(pending),
+                                "step": trainer.global_step}
 
 
 def log_samples(logger, tables: list[tuple[int, list[dict]]], cfg: DictConfig) -> None:
@@ -86,8 +250,9 @@ def log_samples(logger, tables: list[tuple[int, list[dict]]], cfg: DictConfig) -
     if not rows:
         return
     columns = {k: [r[k] for r in rows] for k in rows[0]}
-    if isinstance(logger, MLFlowLogger):
-        logger.experiment.log_table(logger.run_id, data=columns, artifact_file="samples.json")
+    if isinstance(logger, RecordLogger):
+        if logger.client is not None:
+            logger.client.log_table(logger.run_id, data=columns, artifact_file="samples.json")
     else:
         import csv
         path = os.path.join(os.path.dirname(cfg.paths.ckpt_dir), "samples.csv")

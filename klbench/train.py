@@ -8,10 +8,9 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from klbench import tracking
+from klbench import resume, tracking
 from klbench.estimators import GRADIENT_ESTIMATORS, gradient_estimator
 from klbench.policies import TabularPolicy, build_policy
 from klbench.rewards import build_reward
@@ -80,11 +79,11 @@ def build_data(cfg: DictConfig, policy) -> pl.LightningDataModule:
 
 def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl.Trainer:
     hw = cfg.hardware
-    ckpt = ModelCheckpoint(dirpath=cfg.paths.ckpt_dir, save_last=True, every_n_train_steps=val_every,
-                           save_top_k=0)
+    # last.ckpt after every validation, with the config and the metrics it makes durable
+    ckpt = tracking.RecordCheckpoint(cfg.paths.ckpt_dir, OmegaConf.to_container(cfg, resolve=True))
     return pl.Trainer(accelerator=hw.accelerator, devices=hw.devices, strategy=hw.strategy, precision=hw.precision,
                       num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
-                      check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt],
+                      check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt], enable_checkpointing=False,
                       gradient_clip_val=cfg.task.get("grad_clip"), log_every_n_steps=1,
                       num_sanity_val_steps=0, enable_model_summary=False, deterministic=False)
 
@@ -105,30 +104,48 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.task.name == "pretrain":
         from klbench.tasks.pretrain import run_task
         return run_task(cfg)
+    ckpt_path = resolve_ckpt(cfg)
+    payload = None
+    if ckpt_path is not None:  # refused before anything is built or logged
+        payload = resume.load_payload(ckpt_path)
+        resume.check_config(payload, cfg, ckpt_path)
     pl.seed_everything(cfg.seed, workers=True)
     t0 = time.time()
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs, cfg.get("teacher"))
     reward = build_reward(cfg.reward, policy)
     module = build_task(cfg, policy, reward)
     data = build_data(cfg, policy)
-    ckpt_path = resolve_ckpt(cfg)
     logger = tracking.build_logger(cfg, resume=ckpt_path is not None)
+    if payload is not None and isinstance(logger, tracking.RecordLogger):
+        logger.restore(payload["pending_metrics"])
     trainer = build_trainer(cfg, logger, cfg.task.max_steps, cfg.task.val_every)
-    before = None
-    if ckpt_path is None:
-        trainer.validate(module, datamodule=data, verbose=False)
-        before = _val_metrics(trainer.callback_metrics)
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    if trainer.global_step % cfg.task.val_every != 0:
-        trainer.validate(module, datamodule=data, verbose=False)
-    after = _val_metrics(trainer.callback_metrics)
-    if trainer.is_global_zero:
-        tracking.log_samples(logger, module.sample_tables, cfg)
-        _print_summary(before, after, trainer.global_step, time.time() - t0)
-    for key in ("val/reward", "val/seq_kl"):
-        if not math.isfinite(after.get(key, float("nan"))):
-            raise FloatingPointError(f"{key} is {after.get(key)} after training: this run is not usable")
+    with tracking.recorded(logger):
+        before = None
+        if ckpt_path is None:
+            trainer.validate(module, datamodule=data, verbose=False)
+            before = _val_metrics(trainer.callback_metrics)
+            _commit(logger, 0)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        if trainer.global_step % cfg.task.val_every != 0:
+            trainer.validate(module, datamodule=data, verbose=False)
+        after = _val_metrics(trainer.callback_metrics)
+        _commit(logger, trainer.global_step)
+        if trainer.is_global_zero:
+            tracking.log_samples(logger, module.sample_tables, cfg)
+            _print_summary(before, after, trainer.global_step, time.time() - t0)
+        for key in ("val/reward", "val/seq_kl"):
+            if not math.isfinite(after.get(key, float("nan"))):
+                raise FloatingPointError(f"{key} is {after.get(key)} after training: this run is not usable")
+        if trainer.global_step < cfg.task.max_steps:
+            raise RuntimeError(f"training stopped at step {trainer.global_step} of {cfg.task.max_steps}")
+        if isinstance(logger, tracking.RecordLogger):
+            logger.end("FINISHED")
     return after
+
+
+def _commit(logger, step: int) -> None:
+    if isinstance(logger, tracking.RecordLogger):
+        logger.commit(step)
 
 
 def _val_metrics(metrics) -> dict[str, float]:

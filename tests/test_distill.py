@@ -105,6 +105,7 @@ def test_tiny_lm_distill_logs_to_mlflow(tmp_path, single_thread, tiny_lm_dir, ti
         assert [h.step for h in client.get_metric_history(r.info.run_id, key)] == [0, 1, 2, 3], key
     assert r.data.metrics["val/reward"] == 0.0  # reward=none: distillation only
     assert math.isclose(out["val/seq_kl"], hist["val/seq_kl"][-1][1], rel_tol=1e-6)
+    mlflow.set_tracking_uri(client.tracking_uri)  # load_table searches through the fluent API
     table = client.load_table(r.info.experiment_id, "samples.json", run_ids=[r.info.run_id])
     assert {"step", "prompt", "response", "seq_kl", "tokens"} <= set(table.columns)
     assert sorted(set(table["step"])) == [0, 2, 4]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from klbench.pareto import (collect_runs, frontier_share, hypervolume, log_pareto, main, non_dominated,
+from klbench.pareto import (collect_runs, frontier_share, group_runs, hypervolume, log_pareto, main, non_dominated,
                             plot_pareto)
 from klbench.tabular import Frontier
 
@@ -97,10 +97,12 @@ def store(tmp_path_factory):
     exp = client.create_experiment("sweep-a", artifact_location=str((root / "artifacts").resolve()))
     parent = client.create_run(exp, run_name="sweep-parent").info.run_id
 
-    def child(name, est, beta, reward=None, kl=None, status="FINISHED", parent_id=parent):
+    def child(name, est, beta, reward=None, kl=None, status="FINISHED", parent_id=parent, steps=60, reward_kind="vader"):
         tags = {"mlflow.parentRunId": parent_id} if parent_id else {}
+        tags.update({"klbench.steps_done": str(steps), "klbench.max_steps": "60"})
         rid = client.create_run(exp, run_name=name, tags=tags).info.run_id
-        params = [Param("estimator.name", est), Param("estimator.beta", str(beta)), Param("seed", "0")]
+        params = [Param("estimator.name", est), Param("estimator.beta", str(beta)), Param("seed", "0"),
+                  Param("reward.kind", reward_kind), Param("task.max_steps", "60")]
         metrics = []  # an early bad value, then the final one that must be used
         if reward is not None:
             metrics += [Metric("val/reward", -0.9, 0, 0), Metric("val/reward", reward, 1, 1)]
@@ -115,15 +117,22 @@ def store(tmp_path_factory):
     failed = child("crashed", "rb", 0.05, 0.99, 0.1, status="FAILED")  # would dominate everything
     no_kl = child("no-kl", "mc", 0.05, 0.5)
     outsider = child("not-in-sweep", "seq", 0.1, 0.95, 12.0, parent_id=None)  # frontier only over the experiment
+    # a killed sweep's trial marked FINISHED at step 20 of 60: it would dominate, and must not count
+    partial = child("partial", "rb", 0.05, 0.99, 0.05, steps=20)
     client.set_terminated(parent)
+    # another reward scale in another experiment: never on one frontier with the vader runs
+    other = client.create_experiment("tabular-a", artifact_location=str((root / "artifacts2").resolve()))
+    exp = other  # child() reads it
+    tabular = child("tabular", "rb", 0.5, 1.7, 2.0, parent_id=None, reward_kind="tabular")
     return {"uri": uri, "client": client, "parent": parent, "children": ids, "failed": failed,
-            "no_kl": no_kl, "outsider": outsider}
+            "no_kl": no_kl, "outsider": outsider, "partial": partial, "tabular": tabular}
 
 
 def test_collect_runs_children_of_parent(store):
     runs = collect_runs(store["client"], parent_run_id=store["parent"])
     assert {r["run_id"] for r in runs} == set(store["children"].values())
-    assert runs.skipped == {"status FAILED": [store["failed"]], "missing metric val/seq_kl": [store["no_kl"]]}
+    assert runs.skipped == {"status FAILED": [store["failed"]], "missing metric val/seq_kl": [store["no_kl"]],
+                            "stopped before max_steps": [store["partial"]]}
     rb0 = next(r for r in runs if r["run_id"] == store["children"]["rb0"])
     assert (rb0["estimator"], rb0["reward"], rb0["seq_kl"], rb0["seed"]) == ("rb", 0.2, 1.0, 0)
     assert rb0["beta"] == pytest.approx(0.1) and rb0["lam"] is None and rb0["experiment"] == "sweep-a"
@@ -161,7 +170,7 @@ def test_cli(store, tmp_path, capsys):
     assert main(["--experiment", "sweep-a", "--tracking-uri", store["uri"], "--out", str(out),
                  "--new-run", "pareto-all"]) == 0
     printed = capsys.readouterr().out
-    assert "7 used, 3 skipped" in printed and "1 sweep parent run" in printed
+    assert "7 used, 4 skipped" in printed and "1 sweep parent run" in printed and "1 stopped before" in printed
     assert (out / "pareto.png").stat().st_size > 10_000
     rows = list(csv.DictReader(open(out / "pareto.csv")))
     assert len(rows) == 7
@@ -178,7 +187,7 @@ def test_cli(store, tmp_path, capsys):
 
 def test_cli_errors(store, tmp_path, capsys):
     assert main(["--experiment", "nope", "--tracking-uri", store["uri"], "--out", str(tmp_path)]) == 1
-    assert "available: ['Default', 'sweep-a']" in capsys.readouterr().err
+    assert "available: ['Default', 'sweep-a', 'tabular-a']" in capsys.readouterr().err
     assert main(["--run-ids", store["failed"], "--tracking-uri", store["uri"], "--out", str(tmp_path)]) == 1
     assert "no usable runs" in capsys.readouterr().err
     assert main(["--experiment", "sweep-a", "--tracking-uri", store["uri"], "--out", str(tmp_path / "x"),
@@ -186,4 +195,35 @@ def test_cli_errors(store, tmp_path, capsys):
     assert "no-such-run" in capsys.readouterr().err and not (tmp_path / "x").exists()
     missing = f"sqlite:///{(tmp_path / 'none.db').resolve()}"
     assert main(["--experiment", "sweep-a", "--tracking-uri", missing]) == 1
-    assert "no MLflow database" in capsys.readouterr().err and not (tmp_path / "none.db").exists()
+    assert "no MLflow store at" in capsys.readouterr().err and not (tmp_path / "none.db").exists()
+
+
+def test_runs_of_another_setup_are_never_merged(store, tmp_path, capsys):
+    """A vader sweep and a tabular run: one frontier each, or a refusal naming the differing key."""
+    client = store["client"]
+    both = collect_runs(client, experiment_names=["sweep-a", "tabular-a"])
+    groups = group_runs(both)
+    assert [(labels, len(pts)) for labels, pts in groups] == [({"reward.kind": "vader"}, 7),
+                                                              ({"reward.kind": "tabular"}, 1)]
+    assert group_runs(both, vary=["reward"])[0][1] == list(both)  # unless the user says the key may vary
+    args = ["--experiment", "sweep-a", "--experiment", "tabular-a", "--tracking-uri", store["uri"]]
+    assert main(args + ["--out", str(tmp_path / "p")]) == 0
+    printed = capsys.readouterr().out
+    assert "not merged: 2 groups of runs that differ in reward.kind" in printed
+    assert (tmp_path / "p" / "group-1" / "pareto.png").is_file() and (tmp_path / "p" / "group-2" / "pareto.csv").is_file()
+    assert main(args + ["--out", str(tmp_path / "q"), "--new-run", "mixed"]) == 1
+    assert "not logging one frontier for runs that are not comparable" in capsys.readouterr().err
+
+
+def test_pareto_reads_the_store_runs_write(store, tmp_path, monkeypatch, capsys):
+    """klbench-pareto resolves the store as runs do: $KLBENCH_OUTPUTS/mlflow.db, not ./outputs."""
+    import shutil
+    outputs = tmp_path / "elsewhere"
+    outputs.mkdir()
+    shutil.copy(store["uri"][len("sqlite:///"):], outputs / "mlflow.db")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("KLBENCH_OUTPUTS", str(outputs))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--experiment", "sweep-a"]) == 0
+    assert f"tracking URI: sqlite:///{outputs.resolve()}/mlflow.db" in capsys.readouterr().out
+    assert list((outputs / "pareto").glob("*/pareto.png")) and not (tmp_path / "outputs").exists()

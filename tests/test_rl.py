@@ -75,6 +75,7 @@ def test_tiny_lm_rl_run_logs_to_mlflow(tmp_path, tiny_lm_dir):
     # every sound KL gradient is exactly zero at pi == pi_ref, and the random tiny LM earns no reward;
     # naive_mc's per-sample noise (zero only in expectation) is what moves it away from the reference
     assert out["val/seq_kl"] > 0
+    mlflow.set_tracking_uri(client.tracking_uri)  # load_table searches through the fluent API
     table = client.load_table(r.info.experiment_id, "samples.json", run_ids=[r.info.run_id])
     assert {"step", "prompt", "response", "reward", "seq_kl"} <= set(table.columns) and len(table) > 0
 
@@ -85,7 +86,8 @@ def test_resume_continues_exactly(tmp_path):
     full = run(straight)
     first = compose_cfg(tmp_path / "b", TABULAR + ["task.max_steps=10", "task.val_every=10"])
     run(first)
-    resumed = compose_cfg(tmp_path / "b", TABULAR + ["task.max_steps=20", "task.val_every=10", "ckpt_path=last"])
+    resumed = compose_cfg(tmp_path / "b", TABULAR + ["task.max_steps=20", "task.val_every=10", "ckpt_path=last",
+                                                 "ckpt_allow_changes=[task.max_steps]"])
     out = run(resumed)
     assert math.isclose(out["val/seq_kl"], full["val/seq_kl"], rel_tol=1e-9)
     assert math.isclose(out["val/reward"], full["val/reward"], rel_tol=1e-9)

@@ -88,12 +88,22 @@ class RLTask(pl.LightningModule):
             m["train/entropy"] = exact_token_entropy(batch.logits, batch.mask, batch.chunk_rows).sum() / batch.mask.sum()
         if n_clamped is not None:
             m["train/n_clamped"] = float(n_clamped)
-        self.log_dict(m, on_step=True, on_epoch=False, sync_dist=True, batch_size=len(ro.texts))
+        self._log_now(m)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.global_step % self.cfg["log_every"] == 0:
             norm = grad_norm(self.policy, norm_type=2).get("grad_2.0_norm_total", torch.tensor(0.0))
-            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+            self._log_now({"train/grad_norm": norm})
+
+    def _log_now(self, metrics: dict) -> None:
+        """Logs at this step only: Lightning's self.log would repeat the last values on every later step.
+        Averaged over DDP processes, as validation metrics are."""
+        keys = list(metrics)
+        values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=self.device).reshape(())
+                              for k in keys])
+        values = self.trainer.strategy.reduce(values, reduce_op="mean")
+        if self.trainer.is_global_zero and self.logger is not None:
+            self.logger.log_metrics(dict(zip(keys, values.tolist())), step=self.global_step)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.policy.trainable(), lr=self.cfg["lr"], weight_decay=self.cfg["weight_decay"])

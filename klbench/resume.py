@@ -1,0 +1,66 @@
+"""Resuming from a checkpoint: only a klbench checkpoint, and only under the config it was made with.
+
+A checkpoint carries the resolved config of its run (klbench.tracking.RecordCheckpoint). Resuming it
+under another model, teacher, reward, dataset, task, estimator or seed would continue one experiment
+as another, so it is refused with the differing keys named, unless the user lists them in
+`ckpt_allow_changes` (e.g. `ckpt_allow_changes=[task.max_steps]` to train a finished run longer).
+"""
+from __future__ import annotations
+
+import pickle
+import zipfile
+
+from omegaconf import DictConfig, OmegaConf
+
+# what makes a run the run it is; hardware, logger and paths may change between attempts
+IDENTITY = ("task", "estimator", "model", "teacher", "reward", "dataset", "seed")
+
+
+class ResumeError(ValueError):
+    pass
+
+
+def load_payload(path: str) -> dict:
+    """The klbench section of a checkpoint (config, pending metrics, step); ResumeError otherwise."""
+    import torch
+    try:
+        # weights_only: a checkpoint is data, never code. klbench's load under it; anything else is not ours
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ResumeError(f"{path} is not a klbench checkpoint: it holds Python objects that klbench never "
+                          "saves, so it is not loaded") from None
+    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResumeError(f"{path} is not a klbench checkpoint: it cannot be read as one ({first[:200]})") from None
+    if not isinstance(ckpt, dict) or "klbench" not in ckpt or "config" not in ckpt["klbench"]:
+        raise ResumeError(f"{path} is not a klbench checkpoint: it has no klbench section (config and metrics)")
+    return ckpt["klbench"]
+
+
+def config_changes(saved: dict, cfg: DictConfig) -> list[str]:
+    """Dotted keys under IDENTITY whose values differ between the checkpoint's config and this one."""
+    now = OmegaConf.to_container(cfg, resolve=True)
+    out: list[str] = []
+
+    def walk(a, b, key: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{key}.{k}" if key else k)
+        elif a != b:
+            out.append(f"{key} ({a!r} in the checkpoint, {b!r} now)")
+
+    for group in IDENTITY:
+        walk(saved.get(group), now.get(group), group)
+    return out
+
+
+def check_config(payload: dict, cfg: DictConfig, path: str) -> None:
+    allowed = list(cfg.get("ckpt_allow_changes") or [])
+    changes = [c for c in config_changes(payload["config"], cfg)
+               if "*" not in allowed and not any(c == a or c.startswith(a + ".") or c.startswith(a + " ")
+                                                 for a in allowed)]
+    if changes:
+        keys = ",".join(c.split(" ", 1)[0] for c in changes)
+        raise ResumeError(f"{path} was made under another config: " + "; ".join(changes)
+                          + f". Resume with the checkpoint's values, or accept the change with "
+                            f"ckpt_allow_changes=[{keys}]")

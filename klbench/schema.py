@@ -1,0 +1,444 @@
+"""The typed schema of a composed klbench config, checked before anything heavy is imported.
+
+`validate(cfg)` raises ConfigError naming the field (and the valid options where that helps): a bad value
+then fails in well under a second, instead of after torch, Lightning and MLflow are imported (7-22 s) with
+another library's message. This module therefore imports only the stdlib and omegaconf (a test checks it).
+
+Each option kind of each config group is a dataclass whose fields are the keys its yaml may hold; a field
+with a default may be left out. Range constraints sit in the field's metadata (see `limits`).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from klbench.prompts_jsonl import read_prompts
+
+
+class ConfigError(ValueError):
+    """A config value no run can use; the message names the field."""
+
+
+def limits(default: Any = MISSING, **meta: Any) -> Any:
+    """A schema field with constraints: ge / gt / le for numbers, pattern for strings, or check(value) -> bool
+    with `expect` (what the message says the field must be) for values no type annotation describes."""
+    return field(default=default, metadata=meta)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _devices_ok(v: Any) -> bool:
+    if isinstance(v, list):
+        return bool(v) and all(_is_int(d) and d >= 0 for d in v)
+    return v == "auto" or (_is_int(v) and (v >= 1 or v == -1))
+
+
+CONFIG_KEY = r"[A-Za-z_][\w-]*(\.[\w-]+)*"
+
+
+def _allow_changes_ok(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(k, str) and (k == "*" or re.fullmatch(CONFIG_KEY, k)) for k in v)
+
+
+# ---- task ----
+
+@dataclass
+class TaskRL:
+    name: str
+    n_samples: int = limits(ge=1)
+    prompts_per_step: int = limits(ge=1)
+    max_new_tokens: int = limits(ge=1)
+    lr: float = limits(gt=0)
+    weight_decay: float = limits(ge=0)
+    max_steps: int = limits(ge=1)
+    val_every: int = limits(ge=1)
+    val_prompts: int = limits(ge=1)
+    val_samples: int = limits(ge=1)
+    val_seed: int
+    log_every: int = limits(ge=1)
+    reward_coef: float
+    n_sample_texts: int = limits(ge=0)
+    grad_clip: Optional[float] = limits(None, ge=0)  # train reads it with .get; null: no clipping
+
+
+@dataclass
+class TaskDistill(TaskRL):
+    """rl's keys; the rules that make it distillation (teacher, beta = 1) are in _check_combination."""
+
+
+@dataclass
+class TaskPretrain:
+    name: str
+    force: bool
+
+
+TASKS = {"rl": TaskRL, "distill": TaskDistill, "pretrain": TaskPretrain}
+
+
+# ---- estimator: mirrors klbench.estimators' registry, which imports torch ----
+
+@dataclass
+class Estimator:
+    name: str
+    beta: float = limits(ge=0)
+
+
+@dataclass
+class EstimatorNaiveCV(Estimator):
+    lam: float = 1.0
+    level: Literal["token", "sequence"] = "token"
+    clamp: Optional[float] = limits(None, gt=0)
+
+
+ESTIMATORS = {"naive_mc": Estimator, "naive_cv": EstimatorNaiveCV, "token": Estimator, "seq": Estimator,
+              "cumulative": Estimator, "loo": Estimator, "rb": Estimator}
+# GRADIENT_ESTIMATORS[name].defaults, without torch (tests/test_schema.py keeps the two equal)
+ESTIMATOR_OPTIONS = {name: {f.name: f.default for f in fields(cls) if f.name not in ("name", "beta")}
+                     for name, cls in ESTIMATORS.items()}
+
+
+# ---- model (and teacher) ----
+
+@dataclass
+class EmbeddedSpec:
+    """Overrides of the preset's spec (klbench.models.DEFAULT_REFERENCE_SPEC's keys); null keeps the preset's."""
+    name: Optional[str] = limits(None, pattern=r"[A-Za-z0-9_.-]+")  # a cache directory name
+    corpus_size: Optional[int] = limits(None, ge=1)
+    corpus_seed: Optional[int] = None
+    positive_fraction: Optional[float] = limits(None, ge=0, le=1)
+    vocab_size: Optional[int] = limits(None, ge=1)
+    n_embd: Optional[int] = limits(None, ge=1)
+    n_layer: Optional[int] = limits(None, ge=1)
+    n_head: Optional[int] = limits(None, ge=1)
+    n_positions: Optional[int] = limits(None, ge=1)
+    steps: Optional[int] = limits(None, ge=1)
+    batch_size: Optional[int] = limits(None, ge=1)
+    lr: Optional[float] = limits(None, gt=0)
+    seed: Optional[int] = None
+    max_len: Optional[int] = limits(None, ge=1)
+
+
+DTypes = Literal["float32", "bfloat16", "float16"]  # klbench.models._DTYPES
+
+
+@dataclass
+class ModelEmbedded:
+    kind: str
+    preset: Literal["reference", "teacher", "student"]
+    spec: EmbeddedSpec
+    dtype: DTypes
+
+
+@dataclass
+class ModelHF:
+    kind: str
+    name_or_path: str
+    ref_name_or_path: str
+    dtype: DTypes
+
+
+@dataclass
+class ModelTabular:
+    kind: str
+    K: int = limits(ge=2)
+    T: int = limits(ge=1)
+    eos: Optional[int] = limits(ge=0)  # < K: checked in _check_combination
+    ref_seed: int
+    ref_scale: float = limits(ge=0)
+
+
+MODELS = {"embedded": ModelEmbedded, "hf": ModelHF, "tabular": ModelTabular}
+
+
+# ---- dataset ----
+
+@dataclass
+class DatasetEmbedded:
+    source: str
+
+
+@dataclass
+class DatasetJsonl:
+    source: str
+    train_path: str
+    val_path: str
+    field: str
+
+
+@dataclass
+class DatasetHF:
+    source: str
+    name: str
+    train_split: str
+    val_split: str
+    field: str
+    prompt_words: int = limits(ge=1)
+    max_train: int = limits(ge=1)
+    max_val: int = limits(ge=1)
+
+
+DATASETS = {"embedded": DatasetEmbedded, "jsonl": DatasetJsonl, "hf": DatasetHF}
+
+
+# ---- reward ----
+
+@dataclass
+class RewardVader:
+    kind: str
+
+
+@dataclass
+class RewardTabular:
+    kind: str
+    seed: int
+    scale: float
+
+
+@dataclass
+class RewardNone:
+    kind: str
+
+
+@dataclass
+class RewardHFClassifier:
+    kind: str
+    name_or_path: str
+    label: Union[str, int]  # a label name of the classifier's id2label, or its id
+    score: Literal["logit", "prob"]
+    batch_size: int = limits(ge=1)
+
+
+REWARDS = {"vader": RewardVader, "tabular": RewardTabular, "none": RewardNone, "hf_classifier": RewardHFClassifier}
+
+
+# ---- hardware: the Lightning Trainer's arguments ----
+
+@dataclass
+class Hardware:
+    accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu"]
+    devices: Any = limits(check=_devices_ok, expect="a positive integer, -1 (all), 'auto' or a list of device indices")
+    strategy: str  # Lightning's strategy registry is open-ended: Lightning checks the name
+    precision: Literal[64, 32, 16, "64", "32", "16", "bf16", "64-true", "32-true", "16-true", "16-mixed", "bf16-true",
+                       "bf16-mixed", "transformer-engine", "transformer-engine-float16"]
+    num_nodes: int = limits(ge=1)
+
+
+# ---- logger ----
+
+@dataclass
+class LoggerMlflow:
+    kind: str
+    experiment: str
+    tracking_uri: str
+    artifact_root: str
+    run_name: Optional[str] = None
+    parent_run_id: Optional[str] = None
+
+
+@dataclass
+class LoggerCSV:
+    kind: str
+    # experiments and sweeps name their MLflow experiment (sweeps a parent run too) whatever the logger, and
+    # `logger=csv experiment=...` must still work: accepted, unused
+    experiment: Optional[str] = None
+    tracking_uri: Optional[str] = None
+    artifact_root: Optional[str] = None
+    run_name: Optional[str] = None
+    parent_run_id: Optional[str] = None
+
+
+@dataclass
+class LoggerNone(LoggerCSV):
+    pass
+
+
+LOGGERS = {"mlflow": LoggerMlflow, "csv": LoggerCSV, "none": LoggerNone}
+
+
+# ---- top level ----
+
+TOP_LEVEL = {
+    "seed": (int, {"ge": 0, "le": 2**32 - 1}),  # the bounds of Lightning's seed_everything
+    "ckpt_path": (Optional[str], {}),  # `last` or a .ckpt path; train.resolve_ckpt checks that it exists
+    "ckpt_allow_changes": (list, {"check": _allow_changes_ok,
+                                  "expect": "a list of config keys (e.g. [task.max_steps]) or [*]"}),
+}
+GROUP_KEYS = ("task", "estimator", "model", "teacher", "dataset", "reward", "hardware", "logger")
+# not checked: paths are interpolations, only the sweeper reads optimized_metrics, `hydra` is Hydra's own
+OTHER_KEYS = ("optimized_metrics", "paths", "hydra")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first value of `cfg` (a composed klbench config) that no run can use."""
+    unknown = [k for k in cfg.keys() if k not in (*TOP_LEVEL, *GROUP_KEYS, *OTHER_KEYS)]
+    if unknown:
+        raise ConfigError(f"{unknown[0]} is not a klbench config key (top-level keys: "
+                          f"{', '.join([*GROUP_KEYS, *TOP_LEVEL, *OTHER_KEYS])})")
+    if "seed" not in cfg.keys():
+        raise ConfigError("seed is missing")
+    for key, (typ, meta) in TOP_LEVEL.items():
+        if key in cfg.keys():
+            _check_value(key, _get(cfg, key, key), typ, meta)
+    task = _check_group(cfg, "task", TASKS, "name")
+    model = _check_group(cfg, "model", MODELS, "kind")
+    if task == "pretrain":  # builds the embedded LM that `model` describes, and nothing else
+        if model != "embedded":
+            raise ConfigError(f"task=pretrain builds the embedded LMs: it needs model=embedded, got model.kind={model}")
+        return
+    est = _check_group(cfg, "estimator", ESTIMATORS, "name")
+    teacher = None
+    if cfg.get("teacher") is not None:
+        # before the teacher's keys: model@teacher=embedded after experiment=distill_tabular leaves tabular keys
+        # in it, and the mixed kinds are the mistake to report
+        kind = OmegaConf.select(cfg, "teacher.kind")
+        if isinstance(kind, str) and kind in MODELS and (model == "tabular") != (kind == "tabular"):
+            raise ConfigError(f"teacher.kind={kind} and model.kind={model}: student and teacher must both be "
+                              "tabular or both be language models")
+        teacher = _check_group(cfg, "teacher", MODELS, "kind")
+    dataset = _check_group(cfg, "dataset", DATASETS, "source")
+    reward = _check_group(cfg, "reward", REWARDS, "kind")
+    _check_group(cfg, "hardware", {None: Hardware}, None)
+    _check_group(cfg, "logger", LOGGERS, "kind")
+    _check_combination(cfg, task, est, model, teacher, reward)
+    if dataset == "jsonl":  # last: the only check that reads files
+        # the tabular model ignores the prompts (build_data): only the files' format matters then
+        _check_jsonl(cfg.dataset, 1 if model == "tabular" else cfg.task.prompts_per_step)
+
+
+def _check_combination(cfg: DictConfig, task: str, est: str, model: str, teacher: str | None, reward: str) -> None:
+    """Rules across groups; each group alone is already valid."""
+    t, beta = cfg.task, cfg.estimator.beta
+    if task == "distill":
+        if teacher is None:
+            raise ConfigError("task=distill needs a teacher: add model@teacher=<option> (or use experiment=distill)")
+        if beta != 1:
+            raise ConfigError(f"task=distill minimises KL(student || teacher) itself: estimator.beta must be 1, "
+                              f"got {beta} (weight an extra reward with task.reward_coef instead)")
+        if t.reward_coef != 0 and reward == "none":
+            raise ConfigError(f"task.reward_coef={t.reward_coef} needs a reward, but reward=none")
+    elif teacher is not None:
+        raise ConfigError(f"a teacher (model@teacher) only applies to task=distill, not task={task}")
+    for who in ("model", "teacher"):
+        m = cfg.get(who)
+        if m is not None and m.kind == "tabular" and m.eos is not None and m.eos >= m.K:
+            raise ConfigError(f"{who}.eos must be a token id in [0, {who}.K={m.K}), got {m.eos}")
+    if teacher == "tabular":
+        m, te = cfg.model, cfg.teacher
+        if (m.K, m.T, m.eos) != (te.K, te.T, te.eos):
+            raise ConfigError(f"student and teacher vocabularies differ: model (K={m.K}, T={m.T}, eos={m.eos}) "
+                              f"vs teacher (K={te.K}, T={te.T}, eos={te.eos})")
+    n = t.n_samples
+    if est == "loo" and n < 2:
+        raise ConfigError(f"estimator loo needs task.n_samples >= 2 (samples per prompt), got {n}")
+    if reward != "none" and t.reward_coef != 0 and n < 2:
+        raise ConfigError(f"the RLOO reward baseline needs task.n_samples >= 2, got {n}")
+    if model == "tabular" and reward not in ("tabular", "none"):
+        raise ConfigError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={reward})")
+    if reward == "tabular" and model != "tabular":
+        raise ConfigError(f"reward=tabular needs model=tabular (got model.kind={model})")
+
+
+def _check_jsonl(ds: DictConfig, min_train: int) -> None:
+    for key in ("train_path", "val_path"):
+        try:
+            prompts = read_prompts(ds[key], ds.field)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"dataset.{key}: {e}") from None
+        if key == "train_path" and len(prompts) < min_train:
+            raise ConfigError(f"dataset.train_path: {ds[key]} holds {len(prompts)} prompts, fewer than one step's "
+                              f"task.prompts_per_step={min_train}")
+
+
+def _check_group(cfg: DictConfig, group: str, schemas: dict[Any, type], disc: str | None) -> Any:
+    """Check cfg[group] against the schema its `disc` key picks (hardware has one schema); returns that key."""
+    if group not in cfg.keys():
+        raise ConfigError(f"{group} is missing" + (f": choose {group}=<{'|'.join(schemas)}>" if disc else ""))
+    node = _get(cfg, group, group)
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{group} must be a config group (a mapping), got {node!r}")
+    if disc is None:
+        _check_node(group, node, schemas[None], group, None)
+        return None
+    kind = _get(node, disc, f"{group}.{disc}") if disc in node.keys() else None
+    if not isinstance(kind, str) or kind not in schemas:
+        raise ConfigError(f"{group}.{disc}={kind!r} is unknown; valid: {', '.join(schemas)}")
+    _check_node(group, node, schemas[kind], f"{group} {kind!r}", disc)
+    return kind
+
+
+def _check_node(path: str, node: Any, schema: type, what: str, disc: str | None) -> None:
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path} must be a mapping, got {node!r}")
+    known, present = [f.name for f in fields(schema)], list(node.keys())
+    for key in present:
+        if key not in known:
+            options = ", ".join(k for k in known if k != disc) or "none"
+            raise ConfigError(f"{path}.{key} does not apply to {what} (its options: {options})")
+    types = get_type_hints(schema)
+    for f in fields(schema):
+        if f.name not in present:
+            if f.default is MISSING:
+                raise ConfigError(f"{path}.{f.name} is missing")
+            continue
+        _check_value(f"{path}.{f.name}", _get(node, f.name, f"{path}.{f.name}"), types[f.name], f.metadata)
+
+
+def _check_value(path: str, value: Any, typ: Any, meta: Any) -> None:
+    if is_dataclass(typ):
+        _check_node(path, value, typ, path, None)
+    elif not _fits(value, typ, meta):
+        raise ConfigError(f"{path} must be {_describe(typ, meta)}, got {value!r}")
+
+
+def _get(node: DictConfig, key: str, path: str) -> Any:
+    if OmegaConf.is_missing(node, key):
+        raise ConfigError(f"{path} is mandatory (???): set it, e.g. {path}=<value>")
+    try:
+        value = node[key]
+        return OmegaConf.to_container(value, resolve=True) if isinstance(value, ListConfig) else value
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path} cannot be resolved: {str(e).splitlines()[0]}") from None
+
+
+def _fits(value: Any, typ: Any, meta: Any) -> bool:
+    if "check" in meta:
+        return meta["check"](value)
+    if get_origin(typ) is Union:  # Optional[X] too
+        return any(_fits(value, t, meta) for t in get_args(typ))
+    if get_origin(typ) is Literal:  # by type too: True == 1 and 16.0 == 16, but neither is a valid choice
+        return any(type(value) is type(a) and value == a for a in get_args(typ))
+    if typ is type(None) or typ is bool:
+        return value is None if typ is type(None) else isinstance(value, bool)
+    if isinstance(value, bool):  # a bool is an int to Python, never a number or a name in a config
+        return False
+    if typ is str:
+        pattern = meta.get("pattern")
+        return isinstance(value, str) and value != "" and (pattern is None or re.fullmatch(pattern, value) is not None)
+    if not (_is_int(value) or (typ is float and isinstance(value, float) and math.isfinite(value))):
+        return False
+    return (value >= meta.get("ge", -math.inf) and value > meta.get("gt", -math.inf)
+            and value <= meta.get("le", math.inf))
+
+
+def _describe(typ: Any, meta: Any) -> str:
+    if "expect" in meta:
+        return meta["expect"]
+    args = get_args(typ)
+    if get_origin(typ) is Union:
+        kinds = " or ".join(_describe(t, meta) for t in args if t is not type(None))
+        return kinds + (" or null" if type(None) in args else "")
+    if get_origin(typ) is Literal:
+        return " or ".join(map(repr, args)) if len(args) == 2 else "one of " + ", ".join(map(repr, args))
+    what = {bool: "true or false", int: "an integer", float: "a finite number", str: "a non-empty string"}[typ]
+    if "pattern" in meta:
+        return f"{what} matching {meta['pattern']}"
+    if "ge" in meta and "le" in meta:
+        return f"{what} in [{meta['ge']}, {meta['le']}]"
+    return what + "".join(f" {sym} {meta[k]}" for k, sym in (("ge", ">="), ("gt", ">"), ("le", "<=")) if k in meta)
