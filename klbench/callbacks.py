@@ -40,6 +40,7 @@ class SweepTracking(Callback):
     def __init__(self) -> None:
         self.parent_run_id: str | None = None
         self.tracking_uri: str | None = None
+        self.study: tuple[str, str] | None = None  # (name, storage)
 
     # ---- sweeper side ----
 
@@ -62,12 +63,14 @@ class SweepTracking(Callback):
         os.makedirs(config.paths.outputs, exist_ok=True)  # SQLite creates no folders
         n_trials = config.hydra.sweeper.get("n_trials")
         study = _prepare_study(config)
+        if study is not None:
+            self.study = (study.study_name, str(config.hydra.sweeper.storage))
         if config.logger.get("kind") != "mlflow":
             log.info("logger.kind=%s: no MLflow parent run for this sweep", config.logger.get("kind"))
             return
         from mlflow import MlflowClient
 
-        from klbench.tracking import ensure_experiment
+        from klbench.store import ensure_experiment
         lg = config.logger
         self.tracking_uri = lg.tracking_uri
         exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
@@ -111,6 +114,10 @@ class SweepTracking(Callback):
         statuses = sorted({r.info.status for r in children})
         counts = {s: sum(r.info.status == s for r in children) for s in statuses}
         client.set_tag(parent, "klbench.sweep.trials", ", ".join(f"{n} {s}" for s, n in counts.items()) or "none")
+        if failed := self._failed_trials():
+            # trials stopped by their config have no MLflow run: the study is where they are recorded
+            client.set_tag(parent, "klbench.sweep.failed_trials", failed[:5000])
+            log.warning("failed trials (see each trial's log for the error): %s", failed)
         runs = collect_runs(client, parent_run_id=parent, noticed_by="the sweep's end")
         log.info("sweep %s: trial runs %s; for the Pareto plot: %s", parent, counts, runs.describe())
         swept = list(OmegaConf.select(config, "hydra.sweeper.params") or {})
@@ -127,6 +134,16 @@ class SweepTracking(Callback):
             _log_frontier_gaps(client, parent, runs, frontier)
         print(f"\nPareto frontier of sweep run {parent} ({runs.describe()}):\n{format_table(summary)}")
         client.set_terminated(parent, "FINISHED")
+
+    def _failed_trials(self) -> str:
+        if self.study is None:
+            return ""
+        import optuna
+        from optuna.trial import TrialState
+        st = optuna.load_study(study_name=self.study[0], storage=self.study[1])
+        retried = {t.user_attrs.get(RETRY_OF) for t in st.trials}
+        return "; ".join(f"#{t.number} {t.params}" for t in st.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                         if t.number not in retried)
 
     # ---- trial side ----
 
@@ -414,7 +431,7 @@ def _record_failure(client, config: DictConfig, err: Exception, run_id: str | No
     message = f"{type(err).__name__}: {err}"[:5000]
     if run_id is None:
         parent = os.environ.get(PARENT_ENV)
-        from klbench.tracking import ensure_experiment
+        from klbench.store import ensure_experiment
         lg = config.logger
         exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
         tags = {"mlflow.parentRunId": parent} if parent else {}

@@ -30,7 +30,7 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
     try:
         check(cfg)
     except ValueError as e:
-        _discard_run_folder()
+        _discard_run_folder(Path(str(OmegaConf.select(cfg, "paths.outputs", default="") or "/")))
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # fails this trial only; the sweep records it and goes on
         sys.exit(f"klbench: error: {e}")
@@ -52,12 +52,21 @@ def check(cfg: DictConfig) -> None:
     validate(cfg)
 
 
-def _discard_run_folder() -> None:
-    """A run stopped by its config leaves nothing behind: Hydra made its folder before calling us, and
-    it holds only Hydra's own files."""
-    out = Path(HydraConfig.get().runtime.output_dir)
-    if out.is_dir() and all(p.name in (".hydra", "klbench.log", "cli.log") for p in out.iterdir()):
-        shutil.rmtree(out, ignore_errors=True)
+def _discard_run_folder(outputs: Path) -> None:
+    """A run stopped by its config leaves nothing behind: Hydra made its folder (and the empty folders
+    above it, up to the outputs folder) before calling us, and it holds only Hydra's own files."""
+    out = Path(HydraConfig.get().runtime.output_dir).resolve()
+    if not (out.is_dir() and all(p.name in (".hydra", "klbench.log", "cli.log") for p in out.iterdir())):
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    stop = outputs.resolve().parent
+    for parent in out.parents:
+        if parent == stop or stop not in parent.parents and parent != outputs.resolve():
+            break
+        try:
+            parent.rmdir()  # only if empty
+        except OSError:
+            break
 
 
 if __name__ == "__main__":

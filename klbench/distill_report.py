@@ -356,7 +356,7 @@ class DistillReport(Callback):
     def _report(self, config, sweep_dir: Path) -> None:
         from mlflow import MlflowClient
 
-        from klbench.tracking import ensure_experiment
+        from klbench.store import ensure_experiment
         lg = config.logger
         client = MlflowClient(lg.tracking_uri)
         curves, skipped = collect_curves(client, run_ids_in_sweep(sweep_dir))

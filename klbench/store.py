@@ -76,6 +76,25 @@ def open_store(uri: str, create: bool = True) -> None:
     _checked.add(uri)
 
 
+def ensure_experiment(tracking_uri: str, name: str, artifact_root: str) -> str:
+    """Opens the store (created once, under a lock) and returns the experiment's id, creating it if needed."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    open_store(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    os.makedirs(artifact_root, exist_ok=True)
+    try:
+        return client.create_experiment(name, artifact_location=f"file://{os.path.abspath(artifact_root)}/{name}")
+    except MlflowException:  # another process created it since we looked
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
 def inspect(path: Path) -> tuple[str, str]:
     """(state, detail), state one of absent, empty, current, old, newer, half-migrated, corrupt.
     Read-only, with a short busy timeout, and without MLflow's retry loop."""
@@ -135,27 +154,39 @@ def _create(uri: str, path: Path) -> None:
 
 
 def repair(path: Path) -> str:
-    """Backs up a half-migrated store, drops the leftover temporary tables and finishes the migration."""
+    """Rebuilds a half-migrated store: a fresh store of the current schema, into which every row of the
+    old one is copied (table by table, the columns both have; a table caught mid-copy by the failed
+    migration is read from its `_alembic_tmp_` twin). The original is kept as a backup. Re-running the
+    migration instead is not safe: MLflow's steps are not idempotent."""
     state, detail = inspect(path)
     if state != "half-migrated":
         return f"{path} is {state}: nothing to repair"
     backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
     shutil.copy2(path, backup)
-    with sqlite3.connect(path) as con:
-        for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type='table' AND name LIKE '\\_alembic\\_tmp\\_%' "
-                                "ESCAPE '\\'").fetchall():
-            con.execute(f'DROP TABLE "{t}"')
-    import sqlalchemy
-    from mlflow.store.db.utils import _upgrade_db
-    engine = sqlalchemy.create_engine(f"{SQLITE}{path}")
+    fresh = path.with_name(path.name + ".rebuilt")
+    fresh.unlink(missing_ok=True)
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    SqlAlchemyStore(f"{SQLITE}{fresh}", str(path.parent / "mlartifacts")).engine.dispose()
+    con = sqlite3.connect(fresh)
     try:
-        _upgrade_db(engine)
+        con.execute("ATTACH DATABASE ? AS old", (str(backup),))
+        old = {r[0] for r in con.execute("SELECT name FROM old.sqlite_master WHERE type='table'")}
+        new = [r[0] for r in con.execute("SELECT name FROM main.sqlite_master WHERE type='table'")]
+        for table in new:
+            src = table if table in old else f"_alembic_tmp_{table}"
+            if table == "alembic_version" or src not in old:
+                continue
+            have = {r[1] for r in con.execute(f'PRAGMA old.table_info("{src}")')}
+            cols = ", ".join(f'"{r[1]}"' for r in con.execute(f'PRAGMA main.table_info("{table}")') if r[1] in have)
+            con.execute(f'INSERT OR REPLACE INTO main."{table}" ({cols}) SELECT {cols} FROM old."{src}"')
+        con.commit()
+        n_runs = con.execute("SELECT count(*) FROM main.runs").fetchone()[0]
     finally:
-        engine.dispose()
-    after, _ = inspect(path)
-    if after != "current":
-        raise StoreError(f"repair left {path} {after}; the original is kept at {backup}")
-    return f"repaired {path} ({detail}); the original is kept at {backup}"
+        con.close()
+    os.replace(fresh, path)
+    if inspect(path)[0] != "current":
+        raise StoreError(f"repair left {path} unusable; the original is kept at {backup}")
+    return f"repaired {path} ({detail}): {n_runs} runs kept; the original is kept at {backup}"
 
 
 def main(argv: list[str] | None = None) -> int:

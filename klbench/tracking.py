@@ -55,25 +55,6 @@ def flat_params(cfg: DictConfig) -> dict[str, str]:
     return out
 
 
-def ensure_experiment(tracking_uri: str, name: str, artifact_root: str) -> str:
-    """Opens the store (created once, under a lock) and returns the experiment's id, creating it if needed."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-    store.open_store(tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    os.makedirs(artifact_root, exist_ok=True)
-    try:
-        return client.create_experiment(name, artifact_location=f"file://{os.path.abspath(artifact_root)}/{name}")
-    except MlflowException:  # another process created it since we looked
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
-
-
 class RecordLogger(Logger):
     """One MLflow run, written only at commits (see the module docstring). Rank zero holds the client;
     other DDP ranks get a logger with none, whose methods do nothing."""
@@ -159,7 +140,7 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     if rank_zero_only.rank != 0:  # DDP: only rank zero writes the record
         return RecordLogger(experiment=lg.experiment)
     import mlflow
-    exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
+    exp_id = store.ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
     client = mlflow.MlflowClient(lg.tracking_uri)
     runs.reap(client, [exp_id], noticed_by=f"a run starting (pid {os.getpid()})")
     id_file = os.path.join(run_dir, RUN_ID_FILE)

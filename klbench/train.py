@@ -11,9 +11,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from klbench import resume, tracking
-from klbench.estimators import GRADIENT_ESTIMATORS, gradient_estimator
 from klbench.policies import TabularPolicy, build_policy
 from klbench.rewards import build_reward
+from klbench.schema import validate
 from klbench.tasks import build_task
 
 TABULAR_PROMPT = "<tabular>"
@@ -23,46 +23,15 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode a
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Stop bad input before anything is built or trained, naming the config field."""
-    est = cfg.estimator
-    if est.name not in GRADIENT_ESTIMATORS:
-        raise ValueError(f"estimator.name={est.name!r} is unknown; valid: {', '.join(GRADIENT_ESTIMATORS)}")
-    if est.beta < 0:
-        raise ValueError(f"estimator.beta must be >= 0, got {est.beta}")
-    allowed = GRADIENT_ESTIMATORS[est.name].defaults
-    for key in est:
-        if key not in ("name", "beta") and key not in allowed:
-            raise ValueError(f"estimator.{key} does not apply to estimator {est.name!r} "
-                             f"(its options: {', '.join(allowed) or 'none'})")
-    try:  # option values (lam, level, clamp) are checked by the estimator itself, before anything is built
-        gradient_estimator(est.name, **{k: v for k, v in est.items() if k not in ("name", "beta")})
-    except ValueError as e:
-        raise ValueError(f"estimator config: {e}") from e
+    """Stop bad input before anything is built or trained, naming the config field: the typed schema
+    (klbench.schema, also run by the CLI before torch is imported), then what needs torch to tell."""
+    validate(cfg)
     if cfg.task.name == "pretrain":
         return
-    if cfg.task.name == "distill":
-        if cfg.get("teacher") is None:
-            raise ValueError("task=distill needs a teacher: add model@teacher=<option> (or use experiment=distill)")
-        if est.beta != 1:
-            raise ValueError(f"task=distill minimises KL(student || teacher) itself: estimator.beta must be 1, "
-                             f"got {est.beta} (weight an extra reward with task.reward_coef instead)")
-        if cfg.task.reward_coef != 0 and cfg.reward.kind == "none":
-            raise ValueError(f"task.reward_coef={cfg.task.reward_coef} needs a reward, but reward=none")
-    elif cfg.get("teacher") is not None:
-        raise ValueError(f"a teacher (model@teacher) only applies to task=distill, not task={cfg.task.name}")
-    n = cfg.task.n_samples
-    if est.name == "loo" and n < 2:
-        raise ValueError(f"estimator loo needs task.n_samples >= 2 (samples per prompt), got {n}")
-    if cfg.reward.kind != "none" and cfg.task.reward_coef != 0 and n < 2:
-        raise ValueError(f"the RLOO reward baseline needs task.n_samples >= 2, got {n}")
-    if cfg.model.kind == "tabular" and cfg.reward.kind not in ("tabular", "none"):
-        raise ValueError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={cfg.reward.kind})")
-    if cfg.reward.kind == "tabular" and cfg.model.kind != "tabular":
-        raise ValueError(f"reward=tabular needs model=tabular (got model.kind={cfg.model.kind})")
     hw = cfg.hardware
     if hw.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ValueError(f"hardware.accelerator={hw.accelerator} but no CUDA GPU is visible; use hardware=cpu")
-    if hw.precision.startswith("bf16") and hw.accelerator in ("gpu", "cuda") and not torch.cuda.is_bf16_supported():
+    if str(hw.precision).startswith("bf16") and hw.accelerator in ("gpu", "cuda") and not torch.cuda.is_bf16_supported():
         raise ValueError("hardware.precision=bf16 but this GPU does not support bfloat16")
 
 

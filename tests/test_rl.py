@@ -100,7 +100,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["estimator.beta=-0.1"], "estimator.beta must be >= 0"),
+    (["estimator.beta=-0.1"], "estimator.beta must be a finite number >= 0"),
     (["+estimator.lam=0.5"], "estimator.lam does not apply to estimator 'rb'"),
     (["estimator=loo", "task.n_samples=1"], "task.n_samples >= 2"),
     (["estimator=naive_cv", "estimator.level=tok"], "level must be 'token' or 'sequence'"),

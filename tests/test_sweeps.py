@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -177,7 +178,9 @@ def test_restarted_study_loses_and_repeats_nothing(outputs, local_sweep):
     dead = st.ask({"estimator.beta": FloatDistribution(1e-3, 1.0, log=True)})
     client = mlflow_client(outputs)
     exp_id = client.get_run(parent_id).info.experiment_id
-    stale = client.create_run(exp_id, tags={"mlflow.parentRunId": parent_id}).info.run_id
+    # a trial run whose process on this host is gone (this pid, another start time: a reused pid)
+    owner = {"klbench.host": socket.gethostname(), "klbench.pid": str(os.getpid()), "klbench.pid_start": "0"}
+    stale = client.create_run(exp_id, tags={"mlflow.parentRunId": parent_id, **owner}).info.run_id
     done_before = {t.number for t in by_state(st)["COMPLETE"]}
 
     cmd = ["sweep=rl_beta", "estimator=rb", *TINY]  # the same task overrides; launcher may differ
@@ -211,7 +214,8 @@ def test_restarted_study_loses_and_repeats_nothing(outputs, local_sweep):
 
 
 def test_failing_trial_does_not_end_the_sweep(outputs):
-    """One grid point has an invalid beta: that trial fails before training, the other three finish."""
+    """One grid point has an invalid beta: that trial fails before anything is built (no MLflow run), the
+    other three finish, and the parent run reports the failed trial."""
     klbench_multirun(outputs, "sweep=estimators_grid", *TINY,
                      'hydra.sweeper.params={estimator:"choice(seq)",estimator.beta:"choice(0.05,0.1,-1.0,0.2)",'
                      'seed:"choice(0)"}')
@@ -222,13 +226,10 @@ def test_failing_trial_does_not_end_the_sweep(outputs):
     client = mlflow_client(outputs)
     parent_id = st.user_attrs["klbench.mlflow_parent_run_id"]
     kids = children(client, parent_id)
-    failed = [k for k in kids if k.info.status == "FAILED"]
-    assert len(kids) == 4 and len(failed) == 1
-    assert failed[0].data.params["estimator.beta"] == "-1.0"
-    assert "estimator.beta must be >= 0" in failed[0].data.tags["klbench.error"]
+    assert sorted(k.info.status for k in kids) == ["FINISHED"] * 3
     parent = client.get_run(parent_id)
     assert parent.info.status == "FINISHED" and parent.data.metrics["pareto/n_points"] == 3
-    assert "FAILED" in parent.data.tags["klbench.sweep.trials"]
+    assert "estimator.beta" in parent.data.tags["klbench.sweep.failed_trials"]
 
 
 def test_failure_after_training_marks_the_run_failed(outputs, local_sweep, tmp_path):

@@ -1,0 +1,301 @@
+"""The record under the conditions users create: parallel first starts on a fresh store, a half-migrated
+or unreadable store, `kill -9` mid-run, a crash and its resume, a checkpoint from another config or not
+a checkpoint at all, and a bad value on the command line.
+
+Subprocess tests run the real `klbench` CLI against their own outputs folder.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+
+from klbench import runs, store
+from klbench.tasks.rl import RLTask
+from klbench.train import run
+from test_config import compose_cfg
+
+TABULAR = ["experiment=tabular", "task.max_steps=20", "task.val_every=10", "task.log_every=1"]
+
+
+def env_for(outputs: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID",
+                                                            "KLBENCH_RESUME_CKPT")}
+    env.update(KLBENCH_OUTPUTS=str(outputs), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def klbench(outputs: Path, *overrides: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "klbench.cli", *overrides], cwd=outputs.parent,
+                          env=env_for(outputs), capture_output=True, text=True, timeout=timeout)
+
+
+def client_of(outputs: Path):
+    return mlflow.MlflowClient(f"sqlite:///{outputs}/mlflow.db")
+
+
+def all_runs(client):
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def steps(client, run_id: str, key: str) -> list[int]:
+    return [m.step for m in client.get_metric_history(run_id, key)]
+
+
+# ---- 1. the store ----
+
+OPEN_AND_LOG = """
+import sys
+from mlflow import MlflowClient
+from klbench.store import ensure_experiment
+uri = sys.argv[1]
+exp = ensure_experiment(uri, "parallel", sys.argv[2])
+client = MlflowClient(uri)
+run_id = client.create_run(exp).info.run_id
+client.log_metric(run_id, "x", 1.0)
+client.set_terminated(run_id, "FINISHED")
+"""
+
+
+@pytest.mark.parametrize("rep", range(2))
+def test_parallel_first_opens_of_a_fresh_store(tmp_path, rep):
+    """6 processes open one fresh store at the same moment: one creates it, all six log a run."""
+    uri = f"sqlite:///{tmp_path}/outputs/mlflow.db"
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_AND_LOG, uri, str(tmp_path / "art")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, [e[-2000:] for _, e in outs]
+    assert sum("created the MLflow store" in e for _, e in outs) == 1
+    client = mlflow.MlflowClient(uri)
+    assert sorted(r.info.status for r in all_runs(client)) == ["FINISHED"] * 6
+    assert subprocess.run([sys.executable, "-c", OPEN_AND_LOG, uri, str(tmp_path / "art")]).returncode == 0
+    assert store.inspect(Path(f"{tmp_path}/outputs/mlflow.db"))[0] == "current"
+
+
+@pytest.mark.slow
+def test_parallel_klbench_runs_on_a_fresh_outputs_folder(tmp_path):
+    """The issue's reproduction: 6 `klbench` runs started at once on an empty outputs/, 5 times over."""
+    for rep in range(5):
+        outputs = tmp_path / f"rep{rep}" / "outputs"
+        outputs.parent.mkdir()
+        procs = [subprocess.Popen([sys.executable, "-m", "klbench.cli", *TABULAR, f"seed={i}", "logger.experiment=par"],
+                                  cwd=outputs.parent, env=env_for(outputs), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for i in range(6)]
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0] * 6, [e[-2000:] for e in errs]
+        assert sorted(r.info.status for r in all_runs(client_of(outputs))) == ["FINISHED"] * 6
+        assert klbench(outputs, *TABULAR, "seed=9", "logger.experiment=par").returncode == 0
+
+
+def test_half_migrated_store_is_reported_then_repaired(tmp_path):
+    """What parallel first opens used to leave behind: never reused, never deleted; a one-line recovery."""
+    path = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{path}"
+    exp = store.ensure_experiment(uri, "kept", str(tmp_path / "art"))
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(exp).info.run_id
+    client.log_metric(run_id, "x", 2.5, step=3)
+    client.set_tag(run_id, "note", "keep me")
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config
+    script = ScriptDirectory.from_config(_get_alembic_config(db_url=""))
+    previous = script.get_revision(script.get_current_head()).down_revision
+    with sqlite3.connect(path) as con:  # a migration step that died half-way through a batch copy of tags
+        con.execute("CREATE TABLE _alembic_tmp_tags AS SELECT * FROM tags")
+        con.execute("DROP TABLE tags")
+        con.execute("UPDATE alembic_version SET version_num = ?", (previous,))
+    store._checked.clear()
+    with pytest.raises(store.StoreError) as e:
+        store.open_store(uri)
+    assert str(path) in str(e.value) and f"python -m klbench.store repair {path}" in str(e.value)
+    assert path.stat().st_size > 0  # left as it was
+    fix = subprocess.run([sys.executable, "-m", "klbench.store", "repair", str(path)], capture_output=True, text=True)
+    assert fix.returncode == 0, fix.stderr
+    assert store.inspect(path)[0] == "current" and list(tmp_path.glob("mlflow.db.*.bak"))
+    assert "1 runs kept" in fix.stdout
+    # read back by a new process, as the next run would (this one's MLflow holds the old file open)
+    check = ("import sys; from mlflow import MlflowClient; from klbench.store import open_store; open_store(sys.argv[1]);"
+             "c = MlflowClient(sys.argv[1]); r = c.get_run(sys.argv[2]); "
+             "print(r.info.experiment_id, r.data.tags['note'], [(m.step, m.value) for m in c.get_metric_history(sys.argv[2], 'x')])")
+    out = subprocess.run([sys.executable, "-c", check, uri, run_id], capture_output=True, text=True)
+    assert out.stdout.strip() == f"{exp} keep me [(3, 2.5)]", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "not a folder"])
+def test_unusable_store_fails_fast_with_its_path(tmp_path, kind):
+    if kind == "corrupt":
+        path = tmp_path / "mlflow.db"
+        path.write_bytes(os.urandom(4096))
+    else:
+        (tmp_path / "file").write_text("x")
+        path = tmp_path / "file" / "mlflow.db"
+    t0 = time.time()
+    with pytest.raises(store.StoreError, match=str(path.parent if kind != "corrupt" else path)):
+        store.open_store(f"sqlite:///{path}")
+    assert time.time() - t0 < 5
+
+
+# ---- 2. a run's status says what happened ----
+
+def test_status_running_then_failed_then_resumed_without_duplicates(tmp_path, monkeypatch):
+    """RUNNING while it trains (not FINISHED after the step-0 validation); an exception at step 15 ends it
+    FAILED with the error tagged and its progress (10 of 20) visible; the resume goes back to RUNNING,
+    ends FINISHED, and every metric has one value per step, equal to an uninterrupted run's."""
+    seen = {}
+    step = RLTask.training_step
+
+    def crash_at_15(self, prompts, batch_idx):
+        if self.global_step == 3 and self.logger:
+            seen["status"] = self.logger.client.get_run(self.logger.run_id).info.status
+        if self.global_step == 15 and not seen.get("crashed"):
+            seen["crashed"] = True
+            raise RuntimeError("the node went away")
+        return step(self, prompts, batch_idx)
+
+    monkeypatch.setattr(RLTask, "training_step", crash_at_15)
+    cfg = compose_cfg(tmp_path, TABULAR)
+    with pytest.raises(RuntimeError, match="the node went away"):
+        run(cfg)
+    client = mlflow.MlflowClient(cfg.logger.tracking_uri)
+    (r,) = all_runs(client)
+    assert seen["status"] == "RUNNING"
+    assert r.info.status == "FAILED" and r.data.tags[runs.ERROR] == "RuntimeError: the node went away"
+    assert (r.data.tags[runs.STEPS_DONE], r.data.tags[runs.MAX_STEPS]) == ("10", "20")
+    assert steps(client, r.info.run_id, "train/kl_mc") == list(range(15))  # what led to the failure
+
+    out = run(compose_cfg(tmp_path, TABULAR + ["ckpt_path=last"]))
+    r = client.get_run(r.info.run_id)
+    assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == "20" and runs.ERROR not in r.data.tags
+    for key in ("train/kl_mc", "train/reward", "train/grad_norm"):
+        assert steps(client, r.info.run_id, key) == list(range(20)), key
+    assert steps(client, r.info.run_id, "val/reward") == [0, 10, 20]
+
+    monkeypatch.setattr(RLTask, "training_step", step)
+    straight = run(compose_cfg(tmp_path / "straight", TABULAR))
+    assert out["val/seq_kl"] == pytest.approx(straight["val/seq_kl"], rel=1e-9)
+    other = mlflow.MlflowClient(compose_cfg(tmp_path / "straight", TABULAR).logger.tracking_uri)
+    (s,) = all_runs(other)
+    for key in ("train/kl_mc", "train/loss"):
+        assert ([m.value for m in sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: m.step)]
+                == pytest.approx([m.value for m in sorted(other.get_metric_history(s.info.run_id, key),
+                                                          key=lambda m: m.step)], rel=1e-6)), key
+
+
+def test_interrupted_run_is_killed(tmp_path, monkeypatch):
+    step = RLTask.training_step
+
+    def interrupt(self, prompts, batch_idx):
+        if self.global_step == 5:
+            raise KeyboardInterrupt
+        return step(self, prompts, batch_idx)
+
+    monkeypatch.setattr(RLTask, "training_step", interrupt)
+    cfg = compose_cfg(tmp_path, TABULAR)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        run(cfg)
+    (r,) = all_runs(mlflow.MlflowClient(cfg.logger.tracking_uri))
+    assert r.info.status == "KILLED" and "interrupted" in r.data.tags[runs.ENDED]
+
+
+def test_kill_9_mid_run_is_noticed_and_resumed(tmp_path):
+    """A run killed with SIGKILL stays RUNNING until something notices (here klbench-pareto), which marks
+    it KILLED; resumed, it finishes in the same MLflow run with no step logged twice."""
+    outputs = tmp_path / "outputs"
+    args = ["experiment=tabular", "task.max_steps=400", "task.val_every=20", "task.log_every=1",
+            f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.Popen([sys.executable, "-m", "klbench.cli", *args], cwd=tmp_path, env=env_for(outputs),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    run_id = None
+    while time.time() < deadline and proc.poll() is None:
+        if (tmp_path / "run" / "mlflow_run_id.txt").is_file():
+            run_id = (tmp_path / "run" / "mlflow_run_id.txt").read_text().strip()
+            r = client_of(outputs).get_run(run_id)
+            if int(r.data.tags.get(runs.STEPS_DONE, 0)) >= 40:
+                break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()[-2000:]
+    assert r.info.status == "RUNNING" and r.data.tags[runs.MAX_STEPS] == "400"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    client = client_of(outputs)
+    assert client.get_run(run_id).info.status == "RUNNING"  # nobody has looked yet
+    pareto = subprocess.run([sys.executable, "-m", "klbench.pareto", "--experiment", "klbench",
+                             "--out", str(tmp_path / "p")], cwd=tmp_path, env=env_for(outputs),
+                            capture_output=True, text=True)
+    assert "1 status KILLED" in pareto.stdout, pareto.stdout + pareto.stderr
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert "is gone; noticed by klbench-pareto" in client.get_run(run_id).data.tags[runs.ENDED]
+
+    resumed = klbench(outputs, *args, "ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    r = client.get_run(run_id)
+    assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == "400"
+    assert len(all_runs(client)) == 1
+    assert steps(client, run_id, "train/kl_mc") == list(range(400))
+    assert steps(client, run_id, "val/reward") == list(range(0, 401, 20))
+
+
+# ---- 4. checkpoints ----
+
+def test_checkpoint_from_another_config_is_refused(tmp_path):
+    cfg = compose_cfg(tmp_path, TABULAR)
+    run(cfg)
+    other = compose_cfg(tmp_path, TABULAR + ["model.ref_seed=5", "estimator=seq", "ckpt_path=last"])
+    with pytest.raises(ValueError, match=r"estimator\.name \('rb' in the checkpoint, 'seq' now\).*model\.ref_seed"):
+        run(other)
+    longer = TABULAR + ["task.max_steps=30", "ckpt_path=last"]
+    with pytest.raises(ValueError, match=r"ckpt_allow_changes=\[task\.max_steps\]"):
+        run(compose_cfg(tmp_path, longer))
+    assert len(all_runs(mlflow.MlflowClient(cfg.logger.tracking_uri))) == 1  # refusals logged nothing
+    run(compose_cfg(tmp_path, longer + ["ckpt_allow_changes=[task.max_steps]"]))
+    (r,) = all_runs(mlflow.MlflowClient(cfg.logger.tracking_uri))
+    assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == r.data.tags[runs.MAX_STEPS] == "30"
+
+
+class NotKlbench:  # an object that only unpickling code could rebuild
+    pass
+
+
+@pytest.mark.parametrize("content", ["garbage", "foreign", "pickled object"])
+def test_not_a_klbench_checkpoint(tmp_path, content):
+    path = tmp_path / "x.ckpt"
+    if content == "garbage":
+        path.write_bytes(os.urandom(1000))
+    elif content == "foreign":
+        torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
+    else:
+        torch.save({"klbench": NotKlbench()}, path)
+    cfg = compose_cfg(tmp_path, TABULAR + [f"ckpt_path={path}"])
+    with pytest.raises(ValueError, match="is not a klbench checkpoint") as e:
+        run(cfg)
+    assert "weights_only" not in str(e.value)
+
+
+# ---- 5. bad values stop before anything is built ----
+
+@pytest.mark.parametrize("override,field", [
+    ("estimator.beta=nan", "estimator.beta"), ("task.max_steps=0", "task.max_steps"),
+    ("hardware.precision=garbage", "hardware.precision"), ("seed=abc", "seed"),
+])
+def test_bad_value_leaves_no_run_and_no_folder(tmp_path, override, field):
+    outputs = tmp_path / "outputs"
+    t0 = time.time()
+    proc = klbench(outputs, override)
+    assert proc.returncode == 1 and f"klbench: error: {field}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and time.time() - t0 < 30  # the 2 s target is a benchmark
+    assert not outputs.exists() or not any(outputs.rglob("*")), sorted(outputs.rglob("*"))
+
+
+def test_sweep_without_multirun_is_an_error(tmp_path):
+    proc = klbench(tmp_path / "outputs", "sweep=rl_beta", "experiment=tabular")
+    assert proc.returncode == 1 and "run it with -m" in proc.stderr
+    assert not (tmp_path / "outputs" / "mlflow.db").exists()

@@ -1,0 +1,257 @@
+"""klbench.schema: every shipped config validates; every bad value is stopped with the field named, before
+anything heavy is imported."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from omegaconf import open_dict
+
+from klbench.schema import ESTIMATOR_OPTIONS, ConfigError, EmbeddedSpec, validate
+from test_config import GROUPS, ROOT, compose_cfg
+
+SWEEPS = sorted(p.stem for p in (ROOT / "sweeps" / "sweep").glob("*.yaml"))
+
+
+def jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def jsonl_overrides(tmp_path) -> list[str]:
+    train = jsonl(tmp_path / "train.jsonl", [{"prompt": f"p{i}"} for i in range(8)] + [" "])  # a blank line is fine
+    val = jsonl(tmp_path / "val.jsonl", [{"prompt": "v", "other": 1}])
+    return ["dataset=jsonl", f"dataset.train_path={train}", f"dataset.val_path={val}"]
+
+
+def raises_naming(cfg, field: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert str(e.value).startswith(field + " "), str(e.value)
+    return str(e.value)
+
+
+# ---- what ships validates ----
+
+def companions(group: str, option: str, tmp_path) -> list[str]:
+    """What an option needs beside it: a value for its ??? keys, or the options it only works with."""
+    return {("task", "distill"): ["experiment=distill"],
+            ("model", "tabular"): ["reward=tabular"],
+            ("model", "hf"): ["model.name_or_path=gpt2"],
+            ("reward", "tabular"): ["model=tabular"],
+            ("reward", "hf_classifier"): ["reward.name_or_path=lvwerra/distilbert-imdb"],
+            ("dataset", "jsonl"): jsonl_overrides(tmp_path)[1:]}.get((group, option), [])
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_option_validates(tmp_path, group, option):
+    validate(compose_cfg(tmp_path, [f"{group}={option}", *companions(group, option, tmp_path)]))
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_every_sweep_validates(tmp_path, sweep):
+    validate(compose_cfg(tmp_path, [f"sweep={sweep}", "experiment=tabular"]))
+
+
+@pytest.mark.parametrize("override", [
+    "hardware.devices=-1", "hardware.devices=auto", "hardware.devices=[0,1]", "hardware.devices=2",
+    *[f"hardware.precision={p}" for p in ("64", "32", "16", "bf16", "32-true", "16-mixed", "bf16-mixed", "bf16-true",
+                                          "64-true", "16-true", "transformer-engine")],
+    "estimator.beta=0", "estimator.beta=1", "task.lr=1", "task.grad_clip=null", "task.reward_coef=0",
+    "ckpt_path=last", "++ckpt_allow_changes=[task.max_steps,estimator]", "++ckpt_allow_changes=[*]",
+    "reward=hf_classifier", "model=hf"])
+def test_good_values_pass(tmp_path, override):
+    more = {"reward=hf_classifier": ["reward.name_or_path=clf", "reward.label=1"],
+            "model=hf": ["model.name_or_path=gpt2", "model.dtype=bfloat16"]}.get(override, [])
+    validate(compose_cfg(tmp_path, [override, *more]))
+
+
+@pytest.mark.parametrize("overrides", [["sweep=rl_beta", "logger=csv"], ["experiment=distill_estimators", "logger=none"]])
+def test_mlflow_keys_that_experiments_set_do_not_stop_other_loggers(tmp_path, overrides):
+    validate(compose_cfg(tmp_path, overrides))
+
+
+def test_ckpt_allow_changes_may_be_missing(tmp_path):
+    cfg = compose_cfg(tmp_path)
+    with open_dict(cfg):
+        cfg.pop("ckpt_allow_changes", None)
+    validate(cfg)
+
+
+# ---- bad values, each named ----
+
+BAD = [
+    (["task.lr=0"], "task.lr"), (["task.lr=-1e-3"], "task.lr"), (["task.lr=nan"], "task.lr"),
+    (["task.prompts_per_step=0"], "task.prompts_per_step"),
+    (["task.max_new_tokens=0"], "task.max_new_tokens"), (["task.max_new_tokens=-4"], "task.max_new_tokens"),
+    (["task.val_every=0"], "task.val_every"), (["task.log_every=0"], "task.log_every"),
+    (["task.max_steps=0"], "task.max_steps"), (["task.val_prompts=0"], "task.val_prompts"),
+    (["task.n_samples=0"], "task.n_samples"), (["task.val_samples=0"], "task.val_samples"),
+    (["task.n_samples=4.0"], "task.n_samples"), (["task.reward_coef=nan"], "task.reward_coef"),
+    (["estimator.beta=nan"], "estimator.beta"), (["estimator.beta=inf"], "estimator.beta"),
+    (["estimator.beta=-1"], "estimator.beta"), (["estimator.beta=abc"], "estimator.beta"),
+    (["estimator.beta=true"], "estimator.beta"), (["estimator=loo", "estimator.beta=abc"], "estimator.beta"),
+    (["estimator=naive_cv", "estimator.lam=nan"], "estimator.lam"),
+    (["estimator=naive_cv", "estimator.level=tok"], "estimator.level"),
+    (["estimator=naive_cv", "+estimator.clamp=0"], "estimator.clamp"),
+    (["+estimator.lam=0.5"], "estimator.lam"), (["estimator.name=nope"], "estimator.name='nope'"),
+    (["hardware.precision=garbage"], "hardware.precision"), (["hardware.precision=32.0"], "hardware.precision"),
+    (["hardware.devices=0"], "hardware.devices"), (["hardware.devices=-2"], "hardware.devices"),
+    (["hardware.devices=[]"], "hardware.devices"), (["hardware.num_nodes=0"], "hardware.num_nodes"),
+    (["hardware.accelerator=gpus"], "hardware.accelerator"),
+    (["seed=abc"], "seed"), (["seed=-1"], "seed"), (["+sede=1"], "sede"),
+    (["++ckpt_allow_changes=task.max_steps"], "ckpt_allow_changes"),
+    (["model.preset=huge"], "model.preset"), (["model.spec.n_layer=0"], "model.spec.n_layer"),
+    (["+model.spec.layers=2"], "model.spec.layers"), (["model.dtype=float64"], "model.dtype"),
+    (["model=hf"], "model.name_or_path"),  # ??? in conf/model/hf.yaml
+    (["experiment=tabular", "model.K=1"], "model.K"), (["experiment=tabular", "model.eos=4"], "model.eos"),
+    (["reward=hf_classifier", "reward.name_or_path=clf", "reward.score=logits"], "reward.score"),
+    (["dataset=hf", "dataset.prompt_words=0"], "dataset.prompt_words"),
+    (["logger.experiment=null"], "logger.experiment"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_value_names_the_field(tmp_path, overrides, field):
+    raises_naming(compose_cfg(tmp_path, overrides), field)
+
+
+def test_messages_say_what_is_valid(tmp_path):
+    assert raises_naming(compose_cfg(tmp_path, ["estimator.beta=nan"]), "estimator.beta") == \
+        "estimator.beta must be a finite number >= 0, got nan"
+    assert raises_naming(compose_cfg(tmp_path, ["+estimator.lam=0.5"]), "estimator.lam") == \
+        "estimator.lam does not apply to estimator 'rb' (its options: beta)"
+    assert "'token' or 'sequence'" in raises_naming(compose_cfg(tmp_path, ["estimator=naive_cv", "estimator.level=x"]),
+                                                    "estimator.level")
+    assert "bf16-mixed" in raises_naming(compose_cfg(tmp_path, ["hardware.precision=garbage"]), "hardware.precision")
+    assert "naive_mc, naive_cv" in raises_naming(compose_cfg(tmp_path, ["estimator.name=nope"]), "estimator.name='nope'")
+
+
+# ---- rules across groups (moved here from train.check_config) ----
+
+DISTILL = ["experiment=distill_tabular"]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["task=distill", "model=tabular", "reward=none", "estimator.beta=1.0"], "task=distill needs a teacher"),
+    (DISTILL + ["estimator.beta=0.5"], "estimator.beta must be 1"),
+    (DISTILL + ["task.reward_coef=1.0"], "needs a reward, but reward=none"),
+    (["experiment=tabular", "model@teacher=tabular"], "only applies to task=distill"),
+    (DISTILL + ["model@teacher=embedded"], "must both be tabular or both be language models"),
+    (DISTILL + ["teacher.T=5"], "student and teacher vocabularies differ"),
+    (["estimator=loo", "task.n_samples=1"], "estimator loo needs task.n_samples >= 2"),
+    (["task.n_samples=1"], "the RLOO reward baseline needs task.n_samples >= 2"),
+    (["model=tabular"], "model=tabular needs reward=tabular or reward=none"),
+    (["reward=tabular"], "reward=tabular needs model=tabular"),
+    (["task=pretrain", "model=tabular"], "task=pretrain builds the embedded LMs"),
+])
+def test_bad_combination(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(tmp_path, overrides))
+
+
+def test_rloo_needs_no_group_without_a_reward_term(tmp_path):
+    validate(compose_cfg(tmp_path, ["task.n_samples=1", "task.reward_coef=0"]))
+
+
+def test_pretrain_checks_only_the_model(tmp_path):
+    validate(compose_cfg(tmp_path, ["task=pretrain", "estimator.beta=abc", "hardware.devices=0", "reward=tabular"]))
+    raises_naming(compose_cfg(tmp_path, ["task=pretrain", "model.spec.steps=0"]), "model.spec.steps")
+
+
+# ---- jsonl datasets: read by the one reader klbench.data uses too ----
+
+def test_jsonl_bad_line_gives_path_and_line(tmp_path):
+    over = jsonl_overrides(tmp_path)
+    bad = jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"prompt": "b"}, '{"prompt": "c"'] + [{"prompt": "d"}] * 8)
+    msg = raises_naming(compose_cfg(tmp_path, over + [f"dataset.train_path={bad}"]), "dataset.train_path:")
+    assert f"{bad}:3" in msg
+
+
+@pytest.mark.parametrize("rows,match", [
+    ([{"text": "a"}], r"val\.jsonl:1 has no field 'prompt'"),
+    ([["a"]], r"val\.jsonl:1 is not a JSON object"),
+    ([" ", {"prompt": 3}], r"val\.jsonl:2 field 'prompt' is not a string"),
+    ([" "], "holds no prompts"),
+])
+def test_jsonl_bad_file(tmp_path, rows, match):
+    over = jsonl_overrides(tmp_path)
+    jsonl(tmp_path / "val.jsonl", rows)
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(tmp_path, over))
+
+
+def test_jsonl_missing_file_and_too_few_prompts(tmp_path):
+    over = jsonl_overrides(tmp_path)
+    raises_naming(compose_cfg(tmp_path, over + [f"dataset.val_path={tmp_path}/nope.jsonl"]), "dataset.val_path:")
+    msg = raises_naming(compose_cfg(tmp_path, over + ["task.prompts_per_step=9"]), "dataset.train_path:")
+    assert "task.prompts_per_step=9" in msg
+    validate(compose_cfg(tmp_path, over + ["task.prompts_per_step=9", "experiment=tabular"]))  # tabular: prompts unused
+
+
+def test_data_reads_jsonl_with_the_same_reader(tmp_path):
+    from klbench.data import load_prompts
+    cfg = compose_cfg(tmp_path, jsonl_overrides(tmp_path))
+    train, val = load_prompts(cfg.dataset)
+    assert train == [f"p{i}" for i in range(8)] and val == ["v"]
+    jsonl(tmp_path / "val.jsonl", [{"prompt": "a"}, "{"])
+    with pytest.raises(ValueError, match=r"val\.jsonl:2"):
+        load_prompts(cfg.dataset)
+
+
+# ---- the torch-free mirrors agree with what they mirror ----
+
+def test_estimator_table_mirrors_the_registry():
+    from klbench.estimators import GRADIENT_ESTIMATORS
+    assert ESTIMATOR_OPTIONS == {name: dict(cls.defaults) for name, cls in GRADIENT_ESTIMATORS.items()}
+
+
+@pytest.mark.parametrize("key,values", [
+    ("lam", [1.0, -2, 0, math.nan, math.inf, "x", True]),
+    ("level", ["token", "sequence", "tok", 1]),
+    ("clamp", [None, 0.5, 3, 0, -1, "x", True]),
+])
+def test_estimator_option_checks_match_the_registry(tmp_path, key, values):
+    """The schema accepts exactly what the estimators accept, except bools, which only the schema refuses."""
+    from klbench.estimators import gradient_estimator
+    cfg = compose_cfg(tmp_path, ["estimator=naive_cv"])
+    for value in values:
+        with open_dict(cfg):  # conf/estimator/naive_cv.yaml leaves clamp out (its default, None)
+            cfg.estimator[key] = value
+        try:
+            validate(cfg)
+            schema_ok = True
+        except ConfigError:
+            schema_ok = False
+        try:
+            gradient_estimator("naive_cv", **{key: value})
+            registry_ok = True
+        except ValueError:
+            registry_ok = False
+        assert schema_ok == (registry_ok and not isinstance(value, bool)), (key, value)
+
+
+def test_embedded_spec_mirrors_the_models_spec():
+    from klbench import models
+    assert [f.name for f in fields(EmbeddedSpec)] == list(models.DEFAULT_REFERENCE_SPEC)
+
+
+def test_validate_imports_nothing_heavy(tmp_path):
+    code = f"""
+import sys
+from pathlib import Path
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from test_config import compose_cfg
+import klbench.schema
+klbench.schema.validate(compose_cfg(Path({str(tmp_path)!r}), ["experiment=tabular"]))
+klbench.schema.validate(compose_cfg(Path({str(tmp_path)!r}), ["estimator=naive_cv"]))
+heavy = [m for m in ("torch", "lightning", "mlflow", "transformers", "klbench.estimators") if m in sys.modules]
+assert not heavy, heavy
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
