@@ -106,7 +106,7 @@ def test_hardware_options_build_a_trainer(tmp_path, option):
 def test_logger_options_build(tmp_path, option):
     cfg = compose_cfg(tmp_path, [f"logger={option}", "experiment=tabular"])
     logger = build_logger(cfg)
-    kind = {"mlflow": "MLFlowLogger", "csv": "CSVLogger", "none": "bool"}[option]
+    kind = {"mlflow": "RecordLogger", "csv": "CSVLogger", "none": "bool"}[option]
     assert type(logger).__name__ == kind
 
 

@@ -213,6 +213,15 @@ def test_restarted_study_loses_and_repeats_nothing(outputs, local_sweep):
     assert len(study(outputs, name).trials) == len(st.trials)
 
 
+def test_resumed_sweep_proposes_new_points(outputs):
+    """Asked for more trials, a rerun of a finished sweep must not replay its random start-up betas."""
+    cmd = ["sweep=rl_beta", "estimator=seq", *TINY]
+    klbench_multirun(outputs, *cmd, "hydra.sweeper.n_trials=2")
+    klbench_multirun(outputs, *cmd, "hydra.sweeper.n_trials=4")
+    complete = by_state(study(outputs, "klbench-rl_beta-seq-tabular"))["COMPLETE"]
+    assert len(complete) == 4 and len({t.params["estimator.beta"] for t in complete}) == 4
+
+
 def test_failing_trial_does_not_end_the_sweep(outputs):
     """One grid point has an invalid beta: that trial fails before anything is built (no MLflow run), the
     other three finish, and the parent run reports the failed trial."""
