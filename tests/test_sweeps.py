@@ -282,3 +282,22 @@ def test_requeued_trial_resumes_from_its_checkpoint(outputs):
     assert steps[-1] == 1500 and len(steps) == len(set(steps))  # one run, no step logged twice
     log = (Path(kid.data.tags["klbench.run_dir"]) / "cli.log").read_text()
     assert "resuming this trial from" in log
+
+
+def test_last_grid_trial_failing_does_not_crash_the_sweep():
+    """What the Optuna sweeper plugin does with a batch of two grid trials when the one told last failed:
+    GridSampler calls study.stop() outside study.optimize, which raised and ended the sweep with exit 1
+    although every result was recorded. The sweep callback swallows exactly that error."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState
+
+    from klbench.callbacks import _tolerate_grid_stop
+    _tolerate_grid_stop()
+    study = optuna.create_study(directions=["maximize", "minimize"],
+                                sampler=optuna.samplers.GridSampler({"b": [0.1, -1.0]}, seed=0))
+    trials = [study.ask({"b": FloatDistribution(-1.0, 0.1)}) for _ in range(2)]
+    ok, bad = sorted(trials, key=lambda t: t.params["b"] < 0)
+    study.tell(ok, values=[1.0, 0.5])
+    study.tell(bad, state=TrialState.FAIL)  # the grid is now complete: stop() is called here
+    assert [t.state for t in study.trials if t.params["b"] < 0] == [TrialState.FAIL]
