@@ -154,7 +154,7 @@ SYNTH = {"token": [[8.0, 6.0, 4.0], [8.0, 6.5, 4.5], [8.0, 5.5, 3.5]],
 def synthetic_db(tmp_path_factory):
     """An MLflow SQLite store with the SYNTH runs, plus runs the report must leave out; built once (the
     schema migration alone takes seconds) and copied for every test."""
-    from klbench.tracking import ensure_experiment
+    from klbench.store import ensure_experiment
     root = tmp_path_factory.mktemp("synth")
     uri = f"sqlite:///{root}/mlflow.db"
     exp = ensure_experiment(uri, "distill-synth", str(root / "artifacts"))
