@@ -270,16 +270,19 @@ def test_failure_after_training_marks_the_run_failed(outputs, local_sweep, tmp_p
 def test_requeued_trial_resumes_from_its_checkpoint(outputs):
     """submitit's local executor signals a trial at its timeout and starts it again, as SLURM does on
     timeout or preemption: the new attempt resumes from last.ckpt and continues the same MLflow run."""
-    klbench_multirun(outputs, "sweep=rl_beta", "estimator=loo", "experiment=tabular", "task.max_steps=1500",
-                     "task.val_every=50", "hydra.sweeper.n_trials=1", "hydra/launcher=local",
-                     "hydra.launcher.timeout_min=1", timeout=400)  # signalled 30 s after each start
+    # long enough to outlast the 1-minute limit: ~100 tabular steps/s once metrics are written per checkpoint
+    klbench_multirun(outputs, "sweep=rl_beta", "estimator=loo", "experiment=tabular", "task.max_steps=12000",
+                     "task.val_every=500", "hydra.sweeper.n_trials=1", "hydra/launcher=local",
+                     "hydra.launcher.timeout_min=1", timeout=580)  # signalled 30 s after each start
     st = study(outputs, "klbench-rl_beta-loo-tabular")
     assert [t.state.name for t in st.trials] == ["COMPLETE"]
     client = mlflow_client(outputs)
     (kid,) = children(client, st.user_attrs["klbench.mlflow_parent_run_id"])
     assert kid.info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(kid.info.run_id, "val/reward")]
-    assert steps[-1] == 1500 and len(steps) == len(set(steps))  # one run, no step logged twice
+    assert steps[-1] == 12000 and len(steps) == len(set(steps))  # one run, no step logged twice
+    train = [m.step for m in client.get_metric_history(kid.info.run_id, "train/kl_mc")]
+    assert len(train) == len(set(train)) == 12000 // 5
     log = (Path(kid.data.tags["klbench.run_dir"]) / "cli.log").read_text()
     assert "resuming this trial from" in log
 
