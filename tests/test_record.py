@@ -209,7 +209,7 @@ def test_kill_9_mid_run_is_noticed_and_resumed(tmp_path):
     """A run killed with SIGKILL stays RUNNING until something notices (here klbench-pareto), which marks
     it KILLED; resumed, it finishes in the same MLflow run with no step logged twice."""
     outputs = tmp_path / "outputs"
-    args = ["experiment=tabular", "task.max_steps=400", "task.val_every=20", "task.log_every=1",
+    args = ["experiment=tabular", "task.max_steps=1000", "task.val_every=20", "task.log_every=1",
             f"hydra.run.dir={tmp_path}/run"]
     proc = subprocess.Popen([sys.executable, "-m", "klbench.cli", *args], cwd=tmp_path, env=env_for(outputs),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -223,7 +223,7 @@ def test_kill_9_mid_run_is_noticed_and_resumed(tmp_path):
                 break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()[-2000:]
-    assert r.info.status == "RUNNING" and r.data.tags[runs.MAX_STEPS] == "400"
+    assert r.info.status == "RUNNING" and r.data.tags[runs.MAX_STEPS] == "1000"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     client = client_of(outputs)
@@ -238,10 +238,10 @@ def test_kill_9_mid_run_is_noticed_and_resumed(tmp_path):
     resumed = klbench(outputs, *args, "ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     r = client.get_run(run_id)
-    assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == "400"
+    assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == "1000"
     assert len(all_runs(client)) == 1
-    assert steps(client, run_id, "train/kl_mc") == list(range(400))
-    assert steps(client, run_id, "val/reward") == list(range(0, 401, 20))
+    assert steps(client, run_id, "train/kl_mc") == list(range(1000))
+    assert steps(client, run_id, "val/reward") == list(range(0, 1001, 20))
 
 
 # ---- 4. checkpoints ----
