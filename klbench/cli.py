@@ -59,13 +59,13 @@ def _discard_run_folder(outputs: Path) -> None:
     if not (out.is_dir() and all(p.name in (".hydra", "klbench.log", "cli.log") for p in out.iterdir())):
         return
     shutil.rmtree(out, ignore_errors=True)
-    stop = outputs.resolve().parent
-    for parent in out.parents:
-        if parent == stop or stop not in parent.parents and parent != outputs.resolve():
+    outputs = outputs.resolve()
+    for parent in out.parents:  # the empty date folders Hydra made, and outputs/ itself if now empty
+        if parent != outputs and outputs not in parent.parents:
             break
         try:
-            parent.rmdir()  # only if empty
-        except OSError:
+            parent.rmdir()
+        except OSError:  # not empty: other runs live here
             break
 
 

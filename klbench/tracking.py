@@ -148,13 +148,13 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     if resume and os.path.isfile(id_file):
         run_id = open(id_file).read().strip()
         try:
-            client.get_run(run_id)
+            old_tags = client.get_run(run_id).data.tags
         except mlflow.exceptions.MlflowException as e:
             raise ValueError(f"{id_file} names MLflow run {run_id}, which is not in {lg.tracking_uri}") from e
         for k, v in tags.items():
             client.set_tag(run_id, k, v)
         for stale in (runs.ENDED, runs.ERROR):  # how the last attempt ended; this one starts afresh
-            if stale in client.get_run(run_id).data.tags:
+            if stale in old_tags:
                 client.delete_tag(run_id, stale)
         client.update_run(run_id, status="RUNNING")
         return RecordLogger(client, run_id, lg.experiment, _last_steps(client, run_id))
