@@ -31,6 +31,7 @@ PARENT_FILE = "mlflow_parent_run_id.txt"  # in the sweep folder, read by every t
 JOB_FILE = "klbench_trial.txt"  # in a trial folder: its overrides, so only that trial resumes its checkpoint
 STUDY_PARENT = "klbench.mlflow_parent_run_id"  # study user attrs
 STUDY_SETUP = "klbench.setup"
+STUDY_SWEEP_DIR = "klbench.sweep_dir"  # the folder of the study's latest invocation
 RETRY_OF = "klbench.retry_of"  # trial user attr: number of the interrupted trial this one re-runs
 
 
@@ -229,11 +230,10 @@ def _prepare_study(config: DictConfig):
         raise ValueError(f"study {name!r} in {storage} was run with {first}, this sweep has {setup}; "
                          "repeat the original command to resume it, or start a new study with "
                          "hydra.sweeper.study_name=<new name>")
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    if stale := study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         # only a sweep process that died leaves RUNNING trials behind (restart after it has exited)
-        study.tell(t.number, state=TrialState.FAIL)
-        study.enqueue_trial(t.params, user_attrs={RETRY_OF: t.number})
-        log.warning("trial %d was interrupted: marked FAIL, its parameters %s run again", t.number, t.params)
+        _settle_orphans(study, stale, study.user_attrs.get(STUDY_SWEEP_DIR))
+    study.set_user_attr(STUDY_SWEEP_DIR, str(config.hydra.sweep.dir))
     trials = study.get_trials(deepcopy=False)
     retried = {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
     done = sum(t.state.is_finished() and t.number not in retried for t in trials)
@@ -247,6 +247,37 @@ def _prepare_study(config: DictConfig):
         _set_hydra_value(config, "sweeper.sampler.seed", int(seed) + len(trials))
     log.info("study %r: %d of %d trials finished, running %d", name, done, total, sw.n_trials)
     return study
+
+
+def _settle_orphans(study, stale: list, sweep_dir: str | None) -> None:
+    """Closes the trials a dead sweep process left RUNNING, without running any of them twice.
+
+    Their jobs outlive that process (SLURM array jobs, submitit's local processes): wait for those still
+    pending or running, then take each trial's result from its job's result file, as the sweeper would
+    have. A trial whose job left no result (never started, or killed) is marked FAIL and its parameters
+    run again; one whose job raised is marked FAIL, as the sweeper marks it.
+    """
+    from optuna.trial import TrialState
+
+    from klbench import jobs
+    returns = jobs.wait_and_collect(Path(sweep_dir) / ".submitit") if sweep_dir else []
+    for t in stale:
+        wanted = {f"{k}={v}" for k, v in t.params.items()}
+        ret = next((r for r in returns if wanted <= set(r.overrides)), None)
+        if ret is not None:
+            returns.remove(ret)
+        values = jobs.objective_values(ret, len(study.directions)) if ret is not None else None
+        if values is not None:
+            study.tell(t.number, values=values)
+            log.warning("trial %d finished after its sweep process died: result %s taken from its job",
+                        t.number, values)
+        elif ret is not None:
+            study.tell(t.number, state=TrialState.FAIL)
+            log.warning("trial %d failed after its sweep process died (see its job's log)", t.number)
+        else:
+            study.tell(t.number, state=TrialState.FAIL)
+            study.enqueue_trial(t.params, user_attrs={RETRY_OF: t.number})
+            log.warning("trial %d was interrupted: marked FAIL, its parameters %s run again", t.number, t.params)
 
 
 def _set_hydra_value(config: DictConfig, key: str, value) -> None:

@@ -1,20 +1,24 @@
 """A run's status must say what happened: who owns a RUNNING run, and noticing the ones whose process died.
 
 Every klbench run (and sweep parent run) is tagged with the host, pid and process start time of the
-process that drives it. A RUNNING run whose process is gone (`kill -9`, an out-of-memory kill, a
-power cut) can write nothing itself; whatever opens the store next on that host (a new or resumed
-run, a resumed sweep, `klbench-pareto`) marks it KILLED. Runs owned by another host are left alone:
-from here we cannot tell whether their process lives.
+process that drives it, and with its SLURM job id inside a SLURM job. A RUNNING run whose process is
+gone (`kill -9`, an out-of-memory kill, a power cut) can write nothing itself; whatever opens the store
+next on that host (a new or resumed run, a resumed sweep, `klbench-pareto`) marks it KILLED. A run owned
+by another host is marked KILLED only when it ran in a SLURM job that the cluster no longer knows as
+pending, running or requeued; otherwise it is left alone: from here we cannot tell whether it lives.
 
 No torch, Lightning or Hydra here.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 import time
 
 HOST, PID, PID_START = "klbench.host", "klbench.pid", "klbench.pid_start"
+SLURM_JOB = "klbench.slurm_job"  # <array job>_<task> for an array task, else the job id
 STEPS_DONE, MAX_STEPS = "klbench.steps_done", "klbench.max_steps"
 ERROR, ENDED = "klbench.error", "klbench.ended"
 
@@ -29,14 +33,40 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def slurm_job_id() -> str | None:
+    """This process's SLURM job, named as squeue and sacct name it; None outside SLURM."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
+def slurm_jobs_alive(job_ids: list[str]) -> set[str] | None:
+    """The ones among these SLURM jobs that are pending, running, requeued or ending; None without squeue."""
+    if not job_ids or not shutil.which("squeue"):
+        return None if job_ids else set()
+    # -r: one line per array task, so "12_3" is matched as such; an id the cluster forgot prints nothing
+    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)], capture_output=True,
+                         text=True, timeout=60)
+    if out.returncode != 0 and "Invalid job id" not in out.stderr:
+        return None  # the controller did not answer: say nothing rather than guess
+    return set(out.stdout.split()) & set(job_ids)
+
+
 def owner_tags() -> dict[str, str]:
     pid = os.getpid()
-    return {HOST: socket.gethostname(), PID: str(pid), PID_START: _start_time(pid) or ""}
+    tags = {HOST: socket.gethostname(), PID: str(pid), PID_START: _start_time(pid) or ""}
+    if job := slurm_job_id():
+        tags[SLURM_JOB] = job
+    return tags
 
 
-def owner_alive(tags: dict[str, str]) -> bool | None:
-    """True or False for a run owned by a process on this host; None when that cannot be told from here."""
+def owner_alive(tags: dict[str, str], slurm_alive: set[str] | None = None) -> bool | None:
+    """True or False for a run owned by a process on this host, or by a SLURM job; None when that cannot
+    be told from here. `slurm_alive`: the live jobs among those asked about already (one squeue call)."""
     if tags.get(HOST) != socket.gethostname() or not tags.get(PID, "").isdigit():
+        job = tags.get(SLURM_JOB)
+        if job:
+            alive = slurm_jobs_alive([job]) if slurm_alive is None else slurm_alive
+            return None if alive is None else job in alive
         return None
     if not os.path.isdir("/proc/self"):
         return None  # no procfs: no way to tell a reused pid
@@ -45,16 +75,21 @@ def owner_alive(tags: dict[str, str]) -> bool | None:
 
 
 def reap(client, experiment_ids: list[str], noticed_by: str) -> list[str]:
-    """Marks KILLED every RUNNING run in these experiments whose owning process on this host is gone;
+    """Marks KILLED every RUNNING run in these experiments whose owning process is known to be gone;
     returns their ids."""
     if not experiment_ids:
         return []
+    running = client.search_runs(experiment_ids, "attributes.status = 'RUNNING'", max_results=50000)
+    jobs = sorted({r.data.tags[SLURM_JOB] for r in running if r.data.tags.get(SLURM_JOB)})
+    slurm_alive = slurm_jobs_alive(jobs)
     dead = []
-    for run in client.search_runs(experiment_ids, "attributes.status = 'RUNNING'", max_results=50000):
-        if owner_alive(run.data.tags) is False:
-            rid = run.info.run_id
-            client.set_tag(rid, ENDED, f"process {run.data.tags[PID]} on {run.data.tags[HOST]} is gone; "
-                                       f"noticed by {noticed_by} at {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    for run in running:
+        if owner_alive(run.data.tags, slurm_alive) is False:
+            rid, tags = run.info.run_id, run.data.tags
+            who = f"process {tags.get(PID)} on {tags.get(HOST)}" + (f", SLURM job {tags[SLURM_JOB]}"
+                                                                   if tags.get(SLURM_JOB) else "")
+            client.set_tag(rid, ENDED, f"{who} is gone; noticed by {noticed_by} at "
+                                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
             client.set_terminated(rid, "KILLED")
             dead.append(rid)
     return dead

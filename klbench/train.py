@@ -1,6 +1,7 @@
 """Build a run from a composed config and train it. Hydra-free: takes an OmegaConf config."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -8,6 +9,7 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from klbench import resume, tracking
@@ -16,6 +18,7 @@ from klbench.rewards import build_reward
 from klbench.schema import validate
 from klbench.tasks import build_task
 
+log = logging.getLogger(__name__)
 TABULAR_PROMPT = "<tabular>"
 # LMPolicy keeps its models in eval mode on purpose (no dropout: see policies.py); Lightning's notice about it
 # would only alarm users at every run
@@ -50,7 +53,12 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
     hw = cfg.hardware
     # last.ckpt after every validation, with the config and the metrics it makes durable
     ckpt = tracking.RecordCheckpoint(cfg.paths.ckpt_dir, OmegaConf.to_container(cfg, resolve=True))
-    return pl.Trainer(accelerator=hw.accelerator, devices=hw.devices, strategy=hw.strategy, precision=hw.precision,
+    plugins = []
+    if SLURMEnvironment.detect():
+        # ranks come from SLURM (srun tasks), but requeueing is submitit's: Lightning's own auto-requeue
+        # would answer a signal with a second `scontrol requeue` and an hpc checkpoint nobody resumes
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, strategy=hw.strategy, precision=hw.precision,
                       num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
                       check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt], enable_checkpointing=False,
                       gradient_clip_val=cfg.task.get("grad_clip"), log_every_n_steps=1,
@@ -73,11 +81,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.task.name == "pretrain":
         from klbench.tasks.pretrain import run_task
         return run_task(cfg)
+    if cfg.task.name == "probe":  # measures estimators on a policy/reference pair: no Trainer
+        from klbench.tasks.probe import run_task
+        return run_task(cfg)
     ckpt_path = resolve_ckpt(cfg)
     payload = None
     if ckpt_path is not None:  # refused before anything is built or logged
         payload = resume.load_payload(ckpt_path)
         resume.check_config(payload, cfg, ckpt_path)
+        log.info("resuming from step %s of %s", payload.get("step"), ckpt_path)
     pl.seed_everything(cfg.seed, workers=True)
     t0 = time.time()
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs, cfg.get("teacher"))
