@@ -1,6 +1,6 @@
-"""Two KL losses as people write them in RL trainers today, to audit against the tabular ground truth.
+"""KL losses as people write them in RL trainers today, to audit against the tabular ground truth.
 
-Both take a KLBatch and return one loss per sequence [B], the shape `klbench.tabular.audit` expects:
+Each takes a KLBatch and returns one loss per sequence [B], the shape `klbench.tabular.audit` expects:
 
     from klbench.examples import grpo_k3_loss
     from klbench.tabular import audit
@@ -49,14 +49,17 @@ def rloo_k1_in_reward_loss(batch: KLBatch, reward: torch.Tensor | None = None, b
 
 
 def grpo_k3_bias_corrected_loss(batch: KLBatch) -> torch.Tensor:
-    """TRL GRPO with `use_bias_correction_kl`, on-policy: k3 times the importance ratio pi / sg(pi). [B]
+    """TRL GRPO with `use_bias_correction_kl`: k3 times the per-token importance ratio pi / pi_old. [B]
 
-    The ratio is 1 in value but carries grad l_t, which turns the k3 gradient into rho_t * grad l_t.
+    As TRL writes it: old log-probs are the rollout's (batch.old_logp), or the current ones detached when
+    each rollout gets a single optimiser step. The ratio is not detached: even where it is 1 in value it
+    carries grad l_t, which turns the k3 gradient into w_t rho_t grad l_t.
     """
     zero = torch.zeros((), dtype=batch.logp.dtype, device=batch.logp.device)
     logp = torch.where(batch.mask, batch.logp, zero)  # [B, T]
     r = logp - torch.where(batch.mask, batch.ref_logp, zero)  # [B, T]
-    ratio = torch.exp(logp - logp.detach())  # [B, T], on-policy: old policy = current policy
+    old = logp.detach() if batch.old_logp is None else torch.where(batch.mask, batch.old_logp, zero)  # [B, T]
+    ratio = torch.exp(logp - old)  # [B, T]: TRL's coef_1, differentiable
     per_token_kl = (torch.exp(-r) - 1 + r) * ratio
     return (per_token_kl * batch.mask).sum(-1)
 
@@ -66,3 +69,22 @@ def k2_mse_loss(batch: KLBatch) -> torch.Tensor:
     zero = torch.zeros((), dtype=batch.logp.dtype, device=batch.logp.device)
     r = torch.where(batch.mask, batch.logp - batch.ref_logp, zero)  # [B, T]
     return 0.5 * (r ** 2).sum(-1)
+
+
+def openrlhf_unbiased_gradient_loss(batch: KLBatch, max_weight: float | None = None) -> torch.Tensor:
+    """OpenRLHF `compute_approx_kl(..., unbiased_gradient=True)` with k3: the value of k3, the gradient of
+    w_t * k1_t * grad l_t with a detached, clamped weight w_t = min(pi / pi_old, max_weight). [B]
+
+    A straight-through loss: k3 forward, and a term that is zero in value and carries the gradient.
+    OpenRLHF clamps w at a fixed constant (KL_IS_WEIGHT_CLIP); max_weight=None leaves w unclamped.
+    """
+    zero = torch.zeros((), dtype=batch.logp.dtype, device=batch.logp.device)
+    logp = torch.where(batch.mask, batch.logp, zero)  # [B, T]
+    r = logp - torch.where(batch.mask, batch.ref_logp, zero)  # [B, T] k1 per token
+    k3 = torch.exp(-r) - 1 + r  # [B, T]
+    old = logp.detach() if batch.old_logp is None else torch.where(batch.mask, batch.old_logp, zero)
+    w = torch.exp(logp.detach() - old)  # [B, T], detached importance weight
+    if max_weight is not None:
+        w = w.clamp(max=max_weight)
+    per_token = k3.detach() + (w * r).detach() * (logp - logp.detach())  # value k3, gradient w k1 grad l
+    return (per_token * batch.mask).sum(-1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -85,19 +85,28 @@ class TabularModel:
         lp, lr = torch.log_softmax(theta, -1), torch.log_softmax(self.ref_logits, -1)
         return (lp.exp() * (lp - lr)).sum(-1), (lr.exp() * (lr - lp)).sum(-1)
 
-    def partial_kl_pi_ref(self, theta: torch.Tensor) -> torch.Tensor:
-        """sum_p sg(reach(p)) KL(pi(.|p) || pi_ref(.|p)): its gradient is the token-level partial one."""
-        return (self.reach(theta).detach() * self.token_kls(theta)[0]).sum()
+    def partial_kl_pi_ref(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_p sg(reach(p)) KL(pi(.|p) || pi_ref(.|p)): its gradient is the token-level partial one.
+        Prefixes are drawn from pi, or from the behaviour table [P, K] if given (the "@old" partial)."""
+        reach = self.reach(theta if behaviour is None else behaviour).detach()
+        return (reach * self.token_kls(theta)[0]).sum()
 
-    def partial_kl_ref_pi(self, theta: torch.Tensor) -> torch.Tensor:
-        """sum_p sg(reach(p)) KL(pi_ref(.|p) || pi(.|p)), prefixes drawn from pi, held fixed."""
-        return (self.reach(theta).detach() * self.token_kls(theta)[1]).sum()
+    def partial_kl_ref_pi(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_p sg(reach(p)) KL(pi_ref(.|p) || pi(.|p)), prefixes drawn from pi (or behaviour), held fixed."""
+        reach = self.reach(theta if behaviour is None else behaviour).detach()
+        return (reach * self.token_kls(theta)[1]).sum()
 
-    def exact_gradients(self, theta: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The candidate expected gradients [P, K] that the audit compares against."""
+    def exact_gradients(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The candidate expected gradients [P, K] that the audit compares against. With a behaviour table
+        (samples from pi_old), also the partial gradients whose prefixes come from pi_old ("...@old")."""
+        fns = [("kl_pi_ref", self.kl_pi_ref), ("kl_ref_pi", self.kl_ref_pi),
+               ("partial_kl_pi_ref", self.partial_kl_pi_ref), ("partial_kl_ref_pi", self.partial_kl_ref_pi)]
+        if behaviour is not None:
+            old = behaviour.detach()
+            fns += [("partial_kl_pi_ref@old", lambda t: self.partial_kl_pi_ref(t, old)),
+                    ("partial_kl_ref_pi@old", lambda t: self.partial_kl_ref_pi(t, old))]
         out = {}
-        for name, fn in [("kl_pi_ref", self.kl_pi_ref), ("kl_ref_pi", self.kl_ref_pi),
-                         ("partial_kl_pi_ref", self.partial_kl_pi_ref), ("partial_kl_ref_pi", self.partial_kl_ref_pi)]:
+        for name, fn in fns:
             t = theta.detach().clone().requires_grad_()
             out[name] = torch.autograd.grad(fn(t), t)[0]
         out["zero"] = torch.zeros_like(theta)
@@ -106,8 +115,9 @@ class TabularModel:
     # ---- estimators evaluated on every sequence (or every n-tuple of one prompt) ----
 
     def batch(self, tables: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor | None = None,
-              group: torch.Tensor | None = None) -> KLBatch:
-        """KLBatch for sequences `rows` [B]; row b reads policy table `tables[owner[b]]` ([M, P, K] tables)."""
+              group: torch.Tensor | None = None, behaviour: torch.Tensor | None = None) -> KLBatch:
+        """KLBatch for sequences `rows` [B]; row b reads policy table `tables[owner[b]]` ([M, P, K] tables).
+        With a behaviour table [P, K] the batch carries old_logp, the log-probs under pi_old."""
         if tables.dim() == 2:
             tables, owner = tables.unsqueeze(0), torch.zeros_like(rows)
         pre = self.seq_prefix[rows]  # [B, T]
@@ -116,10 +126,13 @@ class TabularModel:
         tok = self.tokens[rows].unsqueeze(-1)  # [B, T, 1]
         logp = torch.log_softmax(logits, -1).gather(-1, tok).squeeze(-1)
         ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, tok).squeeze(-1)
-        return KLBatch(logp, ref_logp, self.mask[rows], logits, ref_logits, group=group)
+        old_logp = None
+        if behaviour is not None:
+            old_logp = torch.log_softmax(behaviour.detach()[pre], -1).gather(-1, tok).squeeze(-1)  # [B, T]
+        return KLBatch(logp, ref_logp, self.mask[rows], logits, ref_logits, group=group, old_logp=old_logp)
 
     def _tuples(self, theta: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All n-tuples of sequences [M, n] with their probabilities [M] under pi."""
+        """All n-tuples of sequences [M, n] with their probabilities [M] under the sampling table theta."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if self.N ** n > 2_000_000:
@@ -128,25 +141,31 @@ class TabularModel:
         idx = torch.cartesian_prod(*[torch.arange(self.N)] * n).reshape(-1, n)  # [M, n]
         return idx, p[idx].prod(-1)
 
-    def gradient_moments(self, surrogate: Surrogate, theta: torch.Tensor, n: int = 1) -> "Moments":
+    def gradient_moments(self, surrogate: Surrogate, theta: torch.Tensor, n: int = 1,
+                         behaviour: torch.Tensor | None = None) -> "Moments":
         """Exact mean [P, K] and trace of covariance of the gradient sample grad (1/n) sum_i L_i, where the
-        n samples of one prompt are drawn i.i.d. from pi. Per-tuple gradients come from one backward pass
-        through per-tuple copies of theta."""
-        idx, w = self._tuples(theta, n)
+        n samples of one prompt are drawn i.i.d. from pi, or from the behaviour table pi_old [P, K] if given
+        (the batch then carries old_logp). Per-tuple gradients come from one backward pass through
+        per-tuple copies of theta."""
+        idx, w = self._tuples(theta if behaviour is None else behaviour, n)
         M = idx.shape[0]
         copies = theta.detach().expand(M, -1, -1).clone().requires_grad_()  # [M, P, K]
         owner = torch.arange(M).repeat_interleave(n)  # [M * n]
-        surr = _as_tensor(surrogate(self.batch(copies, idx.reshape(-1), owner, group=owner)), M * n)
+        surr = _as_tensor(surrogate(self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour)),
+                          M * n)
         g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
         mean = (w.unsqueeze(-1) * g).sum(0)
         trace = (w * (g ** 2).sum(-1)).sum() - (mean ** 2).sum()
         return Moments(mean.reshape(theta.shape), float(trace))
 
-    def value_moments(self, value_fn: Surrogate, theta: torch.Tensor, n: int = 1) -> "Moments":
-        """Exact mean and variance of the batch-mean estimate (1/n) sum_i v_i over n i.i.d. samples."""
-        idx, w = self._tuples(theta, n)
+    def value_moments(self, value_fn: Surrogate, theta: torch.Tensor, n: int = 1,
+                      behaviour: torch.Tensor | None = None) -> "Moments":
+        """Exact mean and variance of the batch-mean estimate (1/n) sum_i v_i over n i.i.d. samples
+        (from pi, or from the behaviour table if given)."""
+        idx, w = self._tuples(theta if behaviour is None else behaviour, n)
         owner = torch.arange(idx.shape[0]).repeat_interleave(n)
-        v = _as_tensor(value_fn(self.batch(theta.detach(), idx.reshape(-1), group=owner)), idx.numel())
+        v = _as_tensor(value_fn(self.batch(theta.detach(), idx.reshape(-1), group=owner, behaviour=behaviour)),
+                       idx.numel())
         est = v.reshape(-1, n).mean(-1)  # [M]
         mean = (w * est).sum()
         return Moments(mean, float((w * (est - mean) ** 2).sum()))
@@ -226,6 +245,10 @@ def _as_tensor(out, size: int) -> torch.Tensor:
 # ---- the audit: which exact gradient does an arbitrary loss follow? ----
 
 CANDIDATES = ("kl_pi_ref", "kl_ref_pi", "partial_kl_pi_ref", "partial_kl_ref_pi", "zero")
+# with a behaviour policy: the partial gradients whose prefixes are drawn from pi_old (what per-token
+# importance ratios give), between the on-policy partials and zero
+OLD_CANDIDATES = ("partial_kl_pi_ref@old", "partial_kl_ref_pi@old")
+Behaviour = Union[float, Callable[[TabularModel, torch.Tensor], torch.Tensor], Sequence[torch.Tensor], None]
 
 
 @dataclass
@@ -240,11 +263,14 @@ class AuditRow:
 class AuditReport:
     rows: list[AuditRow]
     match: str  # a candidate name, "<scale> x <candidate>", or "none of the above"
+    off_policy: bool = False  # samples were drawn from a behaviour policy pi_old != pi
 
     def __str__(self) -> str:
-        lines = [f"{'candidate':<20} {'cosine':>8} {'rel_error':>10} {'scale':>8}"]
+        width = max(20, *(len(r.candidate) for r in self.rows))
+        lines = ["samples from a behaviour policy pi_old != pi (KLBatch.old_logp set)"] if self.off_policy else []
+        lines.append(f"{'candidate':<{width}} {'cosine':>8} {'rel_error':>10} {'scale':>8}")
         for r in self.rows:
-            lines.append(f"{r.candidate:<20} {r.cosine:>8.4f} {r.rel_error:>10.2e} {r.scale:>8.4f}")
+            lines.append(f"{r.candidate:<{width}} {r.cosine:>8.4f} {r.rel_error:>10.2e} {r.scale:>8.4f}")
         lines.append(f"expected gradient matches: {self.match}")
         return "\n".join(lines)
 
@@ -258,20 +284,45 @@ def default_instances() -> list[tuple[TabularModel, torch.Tensor]]:
     return out
 
 
+def behaviour_tables(instances: list[tuple[TabularModel, torch.Tensor]], behaviour: Behaviour) -> list:
+    """One behaviour table [P, K] (or None) per instance. behaviour: None (on-policy); a float s, for
+    pi_old = theta + s * N(0, 1) with a fixed seed per instance; a callable (model, theta) -> table; or a
+    list of tables, one per instance."""
+    if behaviour is None:
+        return [None] * len(instances)
+    if isinstance(behaviour, (int, float)) and not isinstance(behaviour, bool):
+        if not behaviour > 0:
+            raise ValueError(f"behaviour as a float is the scale of pi_old's logit perturbation: > 0, got {behaviour}")
+        return [theta.detach() + model.random_policy(seed=300 + i, scale=float(behaviour))
+                for i, (model, theta) in enumerate(instances)]
+    tables = [behaviour(m, th) for m, th in instances] if callable(behaviour) else list(behaviour)
+    if len(tables) != len(instances):
+        raise ValueError(f"behaviour: {len(tables)} tables for {len(instances)} instances")
+    for (m, _), t in zip(instances, tables):
+        if not isinstance(t, torch.Tensor) or t.shape != (m.P, m.K):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"behaviour table must be [P, K] = [{m.P}, {m.K}] logits, got {got}")
+    return [t.detach().to(DTYPE) for t in tables]
+
+
 def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Tensor]] | None = None,
-          n: int = 1, tol: float = 1e-6) -> AuditReport:
+          n: int = 1, tol: float = 1e-6, behaviour: Behaviour = None) -> AuditReport:
     """Report which exact gradient the expectation of `surrogate_fn(batch) -> Tensor[B]` follows.
 
     The loss is evaluated on every sequence (every n-tuple of one prompt if n > 1, with `group` set),
-    weighted by its exact probability under pi, so the answer has no sampling noise.
+    weighted by its exact probability under pi, so the answer has no sampling noise. With `behaviour`
+    (see behaviour_tables; e.g. behaviour=0.5) the samples come from pi_old instead, the batch carries
+    old_logp, and the candidates include the partial gradients with prefixes from pi_old ("@old").
     """
     instances = default_instances() if instances is None else instances
-    per = {c: [] for c in CANDIDATES}
-    for model, theta in instances:
-        mean = model.gradient_moments(surrogate_fn, theta, n=n).mean.flatten()
-        exact = {k: v.flatten() for k, v in model.exact_gradients(theta).items()}
+    olds = behaviour_tables(instances, behaviour)
+    candidates = CANDIDATES if behaviour is None else CANDIDATES[:4] + OLD_CANDIDATES + ("zero",)
+    per = {c: [] for c in candidates}
+    for (model, theta), old in zip(instances, olds):
+        mean = model.gradient_moments(surrogate_fn, theta, n=n, behaviour=old).mean.flatten()
+        exact = {k: v.flatten() for k, v in model.exact_gradients(theta, behaviour=old).items()}
         ref_norm = exact["kl_pi_ref"].norm()
-        for c in CANDIDATES:
+        for c in candidates:
             g = exact[c]
             if c == "zero":
                 per[c].append((float("nan"), float(mean.norm() / ref_norm), 0.0))
@@ -281,7 +332,7 @@ def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Ten
             per[c].append((cos, float((mean - g).norm() / g.norm()), scale))
     rows = [AuditRow(c, sum(v[0] for v in vals) / len(vals), max(v[1] for v in vals),
                      sum(v[2] for v in vals) / len(vals)) for c, vals in per.items()]
-    return AuditReport(rows, _verdict(rows, per, tol))
+    return AuditReport(rows, _verdict(rows, per, tol), off_policy=behaviour is not None)
 
 
 def _verdict(rows: list[AuditRow], per: dict, tol: float) -> str:

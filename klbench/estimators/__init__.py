@@ -3,6 +3,7 @@
     from klbench.estimators import KLBatch, value_estimator, gradient_estimator
 """
 from klbench.estimators import gradients as _gradients  # noqa: F401  (registers)
+from klbench.estimators import placement as _placement  # noqa: F401  (registers in_reward, in_loss)
 from klbench.estimators import values as _values  # noqa: F401  (registers)
 from klbench.estimators.base import GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, Estimator, gradient_estimator, value_estimator
 from klbench.estimators.batch import KLBatch

@@ -20,6 +20,9 @@ class Estimator:
 
     name: ClassVar[str]
     defaults: ClassVar[dict[str, Any]] = {}
+    # whether samples from a behaviour policy pi_old != pi (KLBatch.old_logp) are corrected for; see
+    # supports_off_policy(), which options may refine
+    off_policy: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.defaults))
@@ -39,7 +42,15 @@ class Estimator:
     def __call__(self, batch: KLBatch):
         if not isinstance(batch, KLBatch):
             raise ValueError(f"estimator {self.name!r} expects a KLBatch, got {type(batch).__name__}")
+        if not self.supports_off_policy() and batch.is_off_policy:
+            raise ValueError(
+                f"estimator {self!r} assumes y ~ pi, but KLBatch.old_logp differs from logp (samples from a "
+                "behaviour policy pi_old): use an estimator that corrects for it (in_reward, in_loss with "
+                "ratio='token' or 'sequence', the rb gradient), or drop old_logp if the samples are on-policy")
         return self.compute(batch)
+
+    def supports_off_policy(self) -> bool:
+        return self.off_policy
 
     def compute(self, batch: KLBatch):
         raise NotImplementedError

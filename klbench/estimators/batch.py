@@ -20,6 +20,9 @@ class KLBatch:
     group:      [B] optional int prompt ids; samples of one prompt share an id (loo needs them)
     chunk_rows: rows of [rows, V] float32 that the exact per-position KL materialises at once
                 (None: chosen from V and the device by `default_chunk_rows`)
+    old_logp:   [B, T] optional log pi_old(y_t | y_<t) under the behaviour policy that sampled y (several
+                optimiser steps per rollout); must not require grad. None, or equal to logp on every real
+                token, means on-policy. Only estimators that declare off-policy support accept it otherwise.
     """
 
     logp: torch.Tensor
@@ -29,6 +32,7 @@ class KLBatch:
     ref_logits: torch.Tensor | None = None
     group: torch.Tensor | None = None
     chunk_rows: int | None = None
+    old_logp: torch.Tensor | None = None
     _kappa: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +58,8 @@ class KLBatch:
         for name in ("logp", "ref_logp"):
             if not torch.isfinite(getattr(self, name)[self.mask]).all():
                 raise ValueError(f"KLBatch.{name} has non-finite values on masked-in tokens")
+        if self.old_logp is not None:
+            self._check_old_logp()
         if (self.logits is None) != (self.ref_logits is None):
             raise ValueError("KLBatch.logits and KLBatch.ref_logits must be given together")
         if self.logits is not None:
@@ -67,6 +73,17 @@ class KLBatch:
             self.chunk_rows = default_chunk_rows(self.logits.shape[-1], self.logits.device)
         if self.chunk_rows is not None and self.chunk_rows < 1:
             raise ValueError(f"KLBatch.chunk_rows must be >= 1, got {self.chunk_rows}")
+
+    def _check_old_logp(self) -> None:
+        old = self.old_logp
+        if not isinstance(old, torch.Tensor) or old.shape != self.logp.shape or old.dtype != self.logp.dtype:
+            got = f"{old.dtype} {tuple(old.shape)}" if isinstance(old, torch.Tensor) else type(old).__name__
+            raise ValueError(f"KLBatch.old_logp must be a {self.logp.dtype} tensor of shape {tuple(self.logp.shape)} "
+                             f"like logp, got {got}")
+        if old.requires_grad:
+            raise ValueError("KLBatch.old_logp requires grad, but pi_old is the fixed behaviour policy: detach it")
+        if not torch.isfinite(old[self.mask]).all():
+            raise ValueError("KLBatch.old_logp has non-finite values on masked-in tokens")
 
     def _check_logits(self) -> None:
         B, T = self.logp.shape
@@ -94,6 +111,23 @@ class KLBatch:
     def masked_logp(self) -> torch.Tensor:
         """[B, T] l_t with zeros off the mask (so -inf padding cannot turn a gradient into NaN)."""
         return torch.where(self.mask, self.logp, torch.zeros((), dtype=self.logp.dtype, device=self.logp.device))
+
+    @property
+    def is_off_policy(self) -> bool:
+        """True when old_logp is given and differs from logp on some real token (exact comparison)."""
+        if self.old_logp is None:
+            return False
+        return bool((self.logp.detach() != self.old_logp)[self.mask].any())
+
+    @property
+    def log_w(self) -> torch.Tensor:
+        """[B, T] per-token log importance ratio l_t - log pi_old(y_t|y_<t), zero off the mask, differentiable.
+
+        Zero everywhere when old_logp is None (on-policy: pi_old = pi in value).
+        """
+        zero = torch.zeros((), dtype=self.logp.dtype, device=self.logp.device)
+        old = self.logp.detach() if self.old_logp is None else self.old_logp
+        return torch.where(self.mask, self.logp, zero) - torch.where(self.mask, old, zero)
 
     @property
     def kappa(self) -> torch.Tensor:

@@ -108,13 +108,33 @@ class LOO(Estimator):
 class RB(Estimator):
     """rb: L = sum_t kappa_t + sum_t sg(sum_{s>t} kappa_s) l_t. Expected gradient: grad kl_pi_ref, lowest variance.
 
+    Off-policy (KLBatch.old_logp, y ~ pi_old): prefix importance weights, see _off_policy; expected
+    gradient under y ~ pi_old: grad kl_pi_ref.
+
     KL = E_y[sum_t kappa_t(y_<t)]: the first sum is the path-wise part (prefix fixed), the second the
     score-function part for the prefix, with a future-only reward-to-go of the exact per-position KL.
     """
 
     name = "rb"
+    off_policy = True
 
     def compute(self, batch: KLBatch) -> torch.Tensor:
         kappa = batch.kappa  # [B, T], differentiable through logits
+        if batch.old_logp is not None:
+            return self._off_policy(batch, kappa)
         future = reward_to_go(kappa.detach()) - kappa.detach()  # [B, T]: sum_{s>t} kappa_s
         return seq_sum(kappa) + seq_sum(future * batch.masked_logp)
+
+    @staticmethod
+    def _off_policy(batch: KLBatch, kappa: torch.Tensor) -> torch.Tensor:
+        """y ~ pi_old: each term is weighted by the importance ratio of the prefix it depends on, so the
+        expected gradient is still grad kl_pi_ref (no truncation: exact, possibly high variance).
+
+        L = sum_t sg(W_<t) kappa_t + sum_t sg(sum_{s>t} W_<s kappa_s) l_t, W_<t = prod_{s<t} pi/pi_old.
+        At old_logp == logp every weight is exactly 1 and L equals the on-policy surrogate.
+        """
+        log_w = batch.log_w.detach()  # [B, T], zero off the mask
+        w_prefix = torch.exp(log_w.cumsum(-1) - log_w)  # [B, T]: W_<t, the ratio of y_<t
+        wk = w_prefix * kappa.detach()  # [B, T]
+        future = reward_to_go(wk) - wk  # [B, T]: sum_{s>t} W_<s kappa_s
+        return seq_sum(w_prefix * kappa) + seq_sum(future * batch.masked_logp)
