@@ -13,7 +13,9 @@ import zipfile
 from omegaconf import DictConfig, OmegaConf
 
 # what makes a run the run it is; hardware, logger and paths may change between attempts
-IDENTITY = ("task", "estimator", "model", "teacher", "reward", "dataset", "seed")
+IDENTITY = ("task", "estimator", "kl_ctl", "model", "teacher", "reward", "dataset", "seed")
+# what a group was before it existed, for checkpoints made then: beta was always fixed
+BEFORE_GROUP = {"kl_ctl": {"name": "fixed"}}
 
 
 class ResumeError(ValueError):
@@ -50,7 +52,7 @@ def config_changes(saved: dict, cfg: DictConfig) -> list[str]:
             out.append(f"{key} ({a!r} in the checkpoint, {b!r} now)")
 
     for group in IDENTITY:
-        walk(saved.get(group), now.get(group), group)
+        walk(saved.get(group, BEFORE_GROUP.get(group)), now.get(group), group)
     return out
 
 

@@ -104,6 +104,29 @@ ESTIMATOR_OPTIONS = {name: {f.name: f.default for f in fields(cls) if f.name not
                      for name, cls in ESTIMATORS.items()}
 
 
+# ---- kl_ctl: mirrors klbench.kl_control (pure Python, but kept out of this module's imports) ----
+
+@dataclass
+class KLCtlFixed:
+    name: str
+
+
+KL_SIGNALS = Literal["mc", "k2", "k3", "cv_seq", "cv_opt", "rb"]  # klbench.kl_control.SIGNALS
+
+
+@dataclass
+class KLCtlAdaptive:
+    name: str
+    target: float = limits(gt=0)  # nats per sequence
+    horizon: float = limits(gt=0)  # sequences
+    init_beta: float = limits(gt=0)  # the update is multiplicative: 0 would stay 0
+    clip: float = limits(0.2, gt=0)
+    signal: KL_SIGNALS = "rb"
+
+
+KL_CTLS = {"fixed": KLCtlFixed, "adaptive": KLCtlAdaptive}
+
+
 # ---- model (and teacher) ----
 
 @dataclass
@@ -270,7 +293,7 @@ TOP_LEVEL = {
     "ckpt_allow_changes": (list, {"check": _allow_changes_ok,
                                   "expect": "a list of config keys (e.g. [task.max_steps]) or [*]"}),
 }
-GROUP_KEYS = ("task", "estimator", "model", "teacher", "dataset", "reward", "hardware", "logger")
+GROUP_KEYS = ("task", "estimator", "kl_ctl", "model", "teacher", "dataset", "reward", "hardware", "logger")
 # not checked: paths are interpolations, only the sweeper reads optimized_metrics, `hydra` is Hydra's own
 OTHER_KEYS = ("optimized_metrics", "paths", "hydra")
 
@@ -293,6 +316,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"task=pretrain builds the embedded LMs: it needs model=embedded, got model.kind={model}")
         return
     est = _check_group(cfg, "estimator", ESTIMATORS, "name")
+    kl_ctl = _check_group(cfg, "kl_ctl", KL_CTLS, "name")
     teacher = None
     if cfg.get("teacher") is not None:
         # before the teacher's keys: model@teacher=embedded after experiment=distill_tabular leaves tabular keys
@@ -307,6 +331,7 @@ def validate(cfg: DictConfig) -> None:
     _check_group(cfg, "hardware", {None: Hardware}, None)
     _check_group(cfg, "logger", LOGGERS, "kind")
     _check_combination(cfg, task, est, model, teacher, reward)
+    _check_kl_ctl(cfg, task, kl_ctl)
     if dataset == "jsonl":  # last: the only check that reads files
         # the tabular model ignores the prompts (build_data): only the files' format matters then
         _check_jsonl(cfg.dataset, 1 if model == "tabular" else cfg.task.prompts_per_step)
@@ -343,6 +368,22 @@ def _check_combination(cfg: DictConfig, task: str, est: str, model: str, teacher
         raise ConfigError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={reward})")
     if reward == "tabular" and model != "tabular":
         raise ConfigError(f"reward=tabular needs model=tabular (got model.kind={model})")
+
+
+def _check_kl_ctl(cfg: DictConfig, task: str, kl_ctl: str) -> None:
+    if kl_ctl != "adaptive":
+        return
+    c, t = cfg.kl_ctl, cfg.task
+    if task == "distill":
+        raise ConfigError("task=distill minimises KL(student || teacher) itself: beta stays fixed at 1, so "
+                          "kl_ctl must be fixed, got kl_ctl=adaptive")
+    n = t.prompts_per_step * t.n_samples  # sequences per step (per process)
+    if c.clip * n >= c.horizon:
+        raise ConfigError(f"kl_ctl.horizon={c.horizon} must exceed kl_ctl.clip x sequences per step = "
+                          f"{c.clip} x {n}: a step could otherwise drive beta to 0")
+    if c.signal == "cv_opt" and n < 2:
+        raise ConfigError("kl_ctl.signal=cv_opt fits its multiplier on the step's samples and needs at least "
+                          f"2 sequences per step, got task.prompts_per_step x task.n_samples = {n}")
 
 
 def _check_jsonl(ds: DictConfig, min_train: int) -> None:

@@ -36,7 +36,12 @@ def run_name(cfg: DictConfig) -> str:
         parts.append(f"lam{est.lam:g}")
     if "level" in est and est.level == "sequence":
         parts.append("seqlevel")
-    parts += [f"beta{est.beta:g}", f"seed{cfg.seed}"]
+    ctl = cfg.get("kl_ctl")
+    if ctl is not None and ctl.name == "adaptive":  # beta is the controller's: name the target and signal
+        parts += [f"kltarget{ctl.target:g}", ctl.signal]
+    else:
+        parts.append(f"beta{est.beta:g}")
+    parts.append(f"seed{cfg.seed}")
     return "-".join(parts)
 
 

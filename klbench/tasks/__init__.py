@@ -14,5 +14,6 @@ def build_task(cfg: DictConfig, policy, reward):
     est = OmegaConf.to_container(cfg.estimator, resolve=True)
     task = OmegaConf.to_container(cfg.task, resolve=True)
     if cfg.task.name in ("rl", "distill"):  # distillation is RL with beta = 1 and (by default) no reward
-        return RLTask(policy, reward, est, task, frontier)
+        kl_ctl = OmegaConf.to_container(cfg.kl_ctl, resolve=True) if "kl_ctl" in cfg else None
+        return RLTask(policy, reward, est, task, frontier, kl_ctl)
     raise ValueError(f"task.name={cfg.task.name!r} is unknown; valid: rl, distill, pretrain")

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import grad_norm
 
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.chunked import exact_token_entropy
+from klbench.kl_control import build_kl_control
 from klbench.policies import Rollout, TabularPolicy
 
 # train/kl_<label>: value estimator name and options, all on the same batch
@@ -35,12 +36,14 @@ def rloo_advantage(reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
 
 
 class RLTask(pl.LightningModule):
-    def __init__(self, policy, reward_fn, estimator_cfg: dict, task_cfg: dict, frontier=None):
+    def __init__(self, policy, reward_fn, estimator_cfg: dict, task_cfg: dict, frontier=None,
+                 kl_ctl_cfg: dict | None = None):
         super().__init__()
         self.policy, self.reward_fn, self.frontier = policy, reward_fn, frontier
         opts = {k: v for k, v in estimator_cfg.items() if k not in ("name", "beta")}
         self.estimator = gradient_estimator(estimator_cfg["name"], **opts)
-        self.beta = float(estimator_cfg["beta"])
+        # beta lives in the controller (klbench/kl_control.py): estimator.beta when kl_ctl=fixed
+        self.kl_ctl = build_kl_control(kl_ctl_cfg, float(estimator_cfg["beta"]))
         self.cfg = dict(task_cfg)
         self.values = {label: value_estimator(name, **o) for label, (name, o) in LOGGED_VALUES.items()}
         self.strict_loading = False  # the frozen reference is not checkpointed
@@ -74,7 +77,28 @@ class RLTask(pl.LightningModule):
                 f"KL surrogate {loss_kl.item()} (estimator {self.estimator!r}, beta {self.beta})")
         if self.global_step % self.cfg["log_every"] == 0:
             self._log_train(batch, reward, ro, loss, n_clamped)
+        self._control_beta(batch)
         return loss
+
+    @property
+    def beta(self) -> float:
+        return self.kl_ctl.beta
+
+    @torch.no_grad()
+    def _control_beta(self, batch) -> None:
+        """Logs the beta this step used, then lets the controller set the next one from the step's own
+        samples (no extra rollout). The signal is averaged over DDP processes, so every process keeps
+        the same beta, and n counts the sequences of all of them."""
+        m = {"train/beta": self.beta}
+        signal = self.kl_ctl.signal
+        if signal is not None:
+            if signal == "rb" and batch.logits is None:
+                raise ValueError("kl_ctl.signal=rb needs the policy's logits, which this model does not give")
+            v = self.values[signal](batch)  # [B] nats per sequence
+            kl = self.trainer.strategy.reduce(v.double().mean(), reduce_op="mean")
+            m["train/kl_ctl_signal"] = kl
+            self.kl_ctl.update(float(kl), len(v) * self.trainer.world_size)
+        self._log_now(m)
 
     @torch.no_grad()
     def _log_train(self, batch, reward, ro, loss, n_clamped) -> None:
@@ -165,8 +189,11 @@ class RLTask(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        checkpoint["kl_ctl"] = self.kl_ctl.state_dict()  # the adapted beta: a resume continues it
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "rng" in checkpoint:
             torch.set_rng_state(checkpoint["rng"]["torch"])
             random.setstate(checkpoint["rng"]["python"])
+        if "kl_ctl" in checkpoint:  # absent from checkpoints made before kl_ctl existed: beta was fixed
+            self.kl_ctl.load_state_dict(checkpoint["kl_ctl"])
