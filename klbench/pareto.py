@@ -222,6 +222,14 @@ class UnknownExperiment(ValueError):
     """An experiment name not in the tracking store; the message lists the ones that are."""
 
 
+def estimator_label(params: dict) -> str:
+    """The estimator name, with the value of a placement estimator: `in_reward(k3)`, so that every cell of the
+    kl_placement grid has its own frontier share and gap."""
+    name = str(_param(params, "estimator"))
+    value = next((params[k] for k in ("estimator.value", "estimator/value") if k in params), None)
+    return f"{name}({value})" if value not in (None, "", "None", "null") else name
+
+
 def _param(params: dict, key: str):
     raw = next((params[k] for k in PARAM_KEYS[key] if k in params), None)
     if raw is None or raw in ("", "None", "null"):
@@ -315,7 +323,7 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
             if eid not in exp_names:
                 exp_names[eid] = client.get_experiment(eid).name
             out.append({"run_id": rid, "run_name": run.info.run_name, "experiment": exp_names[eid],
-                        "experiment_id": eid, "estimator": str(_param(params, "estimator")),
+                        "experiment_id": eid, "estimator": estimator_label(params),
                         "beta": _param(params, "beta"), "lam": _param(params, "lam"),
                         "seed": _param(params, "seed"), "reward": metrics[REWARD],
                         "seq_kl": metrics[SEQ_KL], "status": run.info.status, "params": dict(params)})

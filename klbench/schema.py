@@ -66,6 +66,9 @@ class TaskRL:
     reward_coef: float
     n_sample_texts: int = limits(ge=0)
     grad_clip: Optional[float] = limits(None, ge=0)  # train reads it with .get; null: no clipping
+    # optimiser steps per rollout (GRPO num_iterations, PPO epochs): > 1 reuses each rollout off-policy
+    inner_steps: int = limits(1, ge=1)
+    clip_eps: float = limits(0.2, gt=0, le=1)  # PPO clip of the reward term's ratio (inner_steps > 1)
 
 
 @dataclass
@@ -97,8 +100,34 @@ class EstimatorNaiveCV(Estimator):
     clamp: Optional[float] = limits(None, gt=0)
 
 
+PlacementValue = Literal["k1", "k2", "k3", "cv"]
+
+
+@dataclass
+class EstimatorInReward(Estimator):
+    value: PlacementValue = "k1"
+    lam: float = 1.0  # value=cv only
+    level: Literal["token", "sequence"] = "token"  # value=cv only
+    form: Literal["sequence", "reward_to_go"] = "sequence"
+    baseline: Literal["none", "loo"] = "none"
+    max_weight: Optional[float] = limits(None, gt=0)
+
+
+@dataclass
+class EstimatorInLoss(Estimator):
+    value: PlacementValue = "k1"
+    lam: float = 1.0  # value=cv only
+    level: Literal["token", "sequence"] = "token"  # value=cv only
+    ratio: Literal["none", "token", "sequence"] = "token"
+    ratio_grad: Literal["detached", "differentiable"] = "detached"
+    max_weight: Optional[float] = limits(None, gt=0)
+
+
 ESTIMATORS = {"naive_mc": Estimator, "naive_cv": EstimatorNaiveCV, "token": Estimator, "seq": Estimator,
-              "cumulative": Estimator, "loo": Estimator, "rb": Estimator}
+              "cumulative": Estimator, "loo": Estimator, "rb": Estimator,
+              "in_reward": EstimatorInReward, "in_loss": EstimatorInLoss}
+# estimators that correct for samples from pi_old (task.inner_steps > 1); in_loss only with a ratio
+OFF_POLICY_ESTIMATORS = ("rb", "in_reward", "in_loss")
 # GRADIENT_ESTIMATORS[name].defaults, without torch (tests/test_schema.py keeps the two equal)
 ESTIMATOR_OPTIONS = {name: {f.name: f.default for f in fields(cls) if f.name not in ("name", "beta")}
                      for name, cls in ESTIMATORS.items()}
@@ -360,6 +389,7 @@ def _check_combination(cfg: DictConfig, task: str, est: str, model: str, teacher
             raise ConfigError(f"student and teacher vocabularies differ: model (K={m.K}, T={m.T}, eos={m.eos}) "
                               f"vs teacher (K={te.K}, T={te.T}, eos={te.eos})")
     n = t.n_samples
+    _check_placement(cfg, est)
     if est == "loo" and n < 2:
         raise ConfigError(f"estimator loo needs task.n_samples >= 2 (samples per prompt), got {n}")
     if reward != "none" and t.reward_coef != 0 and n < 2:
@@ -384,6 +414,39 @@ def _check_kl_ctl(cfg: DictConfig, task: str, kl_ctl: str) -> None:
     if c.signal == "cv_opt" and n < 2:
         raise ConfigError("kl_ctl.signal=cv_opt fits its multiplier on the step's samples and needs at least "
                           f"2 sequences per step, got task.prompts_per_step x task.n_samples = {n}")
+
+
+def _check_placement(cfg: DictConfig, est: str) -> None:
+    """in_reward / in_loss option combinations (klbench.estimators.placement checks the same with torch), and
+    what task.inner_steps > 1 needs: an estimator that corrects for pi_old, rollout-aligned checkpoints."""
+    e, t = cfg.estimator, cfg.task
+    if est in ("in_reward", "in_loss"):
+        if e.value != "cv" and (e.lam != 1.0 or e.level != "token"):
+            raise ConfigError(f"estimator.lam and estimator.level apply to estimator.value=cv only, got value={e.value} "
+                              f"with lam={e.lam}, level={e.level}")
+        per_token = not (e.value == "cv" and e.level == "sequence")
+        if est == "in_reward" and e.form == "reward_to_go" and not per_token:
+            raise ConfigError("estimator.form=reward_to_go needs a per-token value; value=cv level=sequence has none")
+        if est == "in_loss" and e.ratio == "token" and not per_token:
+            raise ConfigError("estimator.ratio=token needs a per-token value; value=cv level=sequence has none")
+        if est == "in_loss" and e.ratio == "none" and (e.ratio_grad != "detached" or e.max_weight is not None):
+            raise ConfigError("estimator.ratio=none has no ratio: ratio_grad must be detached and max_weight null")
+        if est == "in_reward" and e.baseline == "loo" and t.n_samples < 2:
+            raise ConfigError(f"estimator.baseline=loo needs task.n_samples >= 2, got {t.n_samples}")
+    k = t.get("inner_steps", 1)
+    if k > 1:
+        if est not in OFF_POLICY_ESTIMATORS or (est == "in_loss" and e.ratio == "none"):
+            raise ConfigError(f"task.inner_steps={k} trains on samples from the rollout's policy pi_old, but estimator "
+                              f"{est}" + (" with ratio=none" if est == "in_loss" else "") + " assumes y ~ pi: use "
+                              "estimator=rb, in_reward, or in_loss with estimator.ratio=token|sequence")
+        for key in ("val_every", "max_steps"):  # checkpoints (made at validations and the end) start a rollout
+            if t[key] % k:
+                raise ConfigError(f"task.{key}={t[key]} must be a multiple of task.inner_steps={k}, so that every "
+                                  "checkpoint falls on a rollout boundary and a resume repeats the run exactly")
+        ctl = OmegaConf.select(cfg, "kl_ctl.name")
+        if ctl not in (None, "fixed"):  # its signal is a value estimate, which needs on-policy samples
+            raise ConfigError(f"kl_ctl={ctl} with task.inner_steps={k} is not supported: the controller's KL signal "
+                              "assumes y ~ pi; use kl_ctl=fixed")
 
 
 def _check_jsonl(ds: DictConfig, min_train: int) -> None:

@@ -28,7 +28,8 @@ def compose_cfg(tmp_path, overrides=()):
 def test_every_group_has_options():
     for group, options in GROUPS.items():
         assert options, f"conf/{group} is empty"
-    assert set(GROUPS["estimator"]) == {"naive_mc", "naive_cv", "token", "seq", "cumulative", "loo", "rb"}
+    assert set(GROUPS["estimator"]) == {"naive_mc", "naive_cv", "token", "seq", "cumulative", "loo", "rb",
+                                        "in_reward", "in_loss"}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])

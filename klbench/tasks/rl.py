@@ -16,6 +16,7 @@ from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.kl_control import build_kl_control
 from klbench.policies import Rollout, TabularPolicy
+from klbench.tasks.offpolicy import off_policy_step
 
 # train/kl_<label>: value estimator name and options, all on the same batch
 LOGGED_VALUES = {
@@ -49,6 +50,7 @@ class RLTask(pl.LightningModule):
         self.strict_loading = False  # the frozen reference is not checkpointed
         self.val_rows: list[dict] = []
         self.sample_tables: list[tuple[int, list[dict]]] = []
+        self.cached_rollout = None  # task.inner_steps > 1: the rollout the current steps reuse
 
     # ---- training ----
 
@@ -59,6 +61,8 @@ class RLTask(pl.LightningModule):
         return r.to(self.device, torch.float32)
 
     def training_step(self, prompts: list[str], batch_idx: int) -> torch.Tensor:
+        if self.cfg.get("inner_steps", 1) > 1:  # several optimiser steps per rollout: klbench/tasks/offpolicy.py
+            return off_policy_step(self, prompts)
         ro = self.policy.rollout(prompts, self.cfg["n_samples"])
         batch = self.policy.score(ro)
         reward = self.rewards(ro)  # [B]

@@ -85,13 +85,15 @@ def wait_for(what, predicate, timeout: float, proc=None):
 def only_trial_run(outputs: Path, parent_id: str | None = None):
     """The one RUNNING child run, once it has committed a checkpoint (steps_done > 0)."""
     from mlflow.exceptions import MlflowException
-    if not (outputs / "mlflow.db").is_file():  # the sweep creates it (under its lock); never this poll
-        return None
+
+    from klbench.store import StoreError, open_store
     try:
+        # the sweep creates the store under its lock: this poll must never start creating it too
+        open_store(f"sqlite:///{outputs}/mlflow.db", create=False)
         c = client(outputs)
         exp = c.get_experiment_by_name("sweep-rl_beta-tabular")
         runs = c.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'") if exp else []
-    except MlflowException:
+    except (MlflowException, StoreError):
         return None
     runs = [r for r in runs if "mlflow.parentRunId" in r.data.tags and int(r.data.tags.get("klbench.steps_done", 0)) > 0]
     return runs[0] if runs else None
@@ -218,10 +220,11 @@ def test_rerun_after_the_sweep_process_is_killed(slurm_cluster, tmp_path):
     name = "klbench-rl_beta-rb-tabular"
 
     def second_batch_running():
-        try:
-            st = study(out, name)
-        except Exception:  # not created yet
+        # the parent run's file is written after the study and both stores exist: polling them sooner
+        # would race the sweep's own creation of them
+        if not list(out.glob("multirun/*/*/mlflow_parent_run_id.txt")):
             return False
+        st = study(out, name)
         done = sum(t.state.name == "COMPLETE" for t in st.trials)
         return done == 2 and sum(t.state.name == "RUNNING" for t in st.trials) == 2 and only_trial_run(out)
 
