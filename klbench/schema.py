@@ -69,6 +69,9 @@ class TaskRL:
     # optimiser steps per rollout (GRPO num_iterations, PPO epochs): > 1 reuses each rollout off-policy
     inner_steps: int = limits(1, ge=1)
     clip_eps: float = limits(0.2, gt=0, le=1)  # PPO clip of the reward term's ratio (inner_steps > 1)
+    # a small klbench.probe at the validations whose step is a multiple of probe_every (null: never)
+    probe_every: Optional[int] = limits(None, ge=1)
+    probe: ProbeOptions = limits(None)
 
 
 @dataclass
@@ -82,7 +85,36 @@ class TaskPretrain:
     force: bool
 
 
-TASKS = {"rl": TaskRL, "distill": TaskDistill, "pretrain": TaskPretrain}
+def _labels_ok(v: Any) -> bool:
+    return v is None or (isinstance(v, list) and bool(v) and all(isinstance(s, str) and s for s in v))
+
+
+@dataclass(kw_only=True)
+class ProbeOptions:
+    """klbench.probe.ProbeConfig: the options of task=probe and of task.probe (rl, distill). Estimator labels
+    are checked against the registries when the probe starts (they need torch)."""
+    prompts: int = limits(ge=1)  # held-out prompts probed
+    samples: int = limits(ge=1)  # M_max: samples per prompt per replicate (value estimators)
+    grad_samples: int = limits(ge=1)  # samples per prompt in one per-batch gradient, <= samples
+    replicates: int = limits(ge=2)  # R
+    ref_batches: int = limits(ge=1)
+    ref_samples: int = limits(ge=1)
+    seed: int = limits(ge=0)
+    bootstrap: int = limits(ge=1)
+    ci_level: float = limits(check=lambda v: isinstance(v, float) and 0 < v < 1, expect="a number in (0, 1)")
+    boot_dim: int = limits(ge=1)
+    project_dim: Optional[int] = limits(None, ge=1)
+    value_estimators: Any = limits(None, check=_labels_ok, expect="null or a non-empty list of estimator labels")
+    gradient_estimators: Any = limits(None, check=_labels_ok, expect="null or a non-empty list of estimator labels")
+
+
+@dataclass(kw_only=True)
+class TaskProbe(ProbeOptions):
+    name: str
+    max_new_tokens: int = limits(ge=1)
+
+
+TASKS = {"rl": TaskRL, "distill": TaskDistill, "pretrain": TaskPretrain, "probe": TaskProbe}
 
 
 # ---- estimator: mirrors klbench.estimators' registry, which imports torch ----
@@ -289,7 +321,7 @@ class LoggerMlflow:
     kind: str
     experiment: str
     tracking_uri: str
-    artifact_root: str
+    artifact_root: Optional[str]  # None: the tracking server's artifact store
     run_name: Optional[str] = None
     parent_run_id: Optional[str] = None
 
@@ -314,6 +346,30 @@ class LoggerNone(LoggerCSV):
 LOGGERS = {"mlflow": LoggerMlflow, "csv": LoggerCSV, "none": LoggerNone}
 
 
+# ---- store ----
+
+@dataclass
+class StoreLocal:
+    kind: str
+    mlflow: str
+    artifacts: str
+    optuna: str
+
+
+@dataclass
+class StoreServer:
+    kind: str
+    mlflow: str = limits(pattern=r"https?://.+", expect="the URL of an `mlflow server`, http(s)://host:port "
+                                                        "(store.mlflow=... or $KLBENCH_MLFLOW_URI)")
+    optuna: str = limits(pattern=r"[a-z0-9]+(\+[a-z0-9]+)?://.+",
+                         expect="an SQLAlchemy database URL, e.g. postgresql+psycopg://user:pw@host/db "
+                                "(store.optuna=... or $KLBENCH_OPTUNA_STORAGE)")
+    artifacts: Optional[str] = None
+
+
+STORES = {"local": StoreLocal, "server": StoreServer}
+
+
 # ---- top level ----
 
 TOP_LEVEL = {
@@ -322,7 +378,8 @@ TOP_LEVEL = {
     "ckpt_allow_changes": (list, {"check": _allow_changes_ok,
                                   "expect": "a list of config keys (e.g. [task.max_steps]) or [*]"}),
 }
-GROUP_KEYS = ("task", "estimator", "kl_ctl", "model", "teacher", "dataset", "reward", "hardware", "logger")
+GROUP_KEYS = ("task", "estimator", "kl_ctl", "model", "teacher", "dataset", "reward", "hardware", "logger",
+              "store")
 # not checked: paths are interpolations, only the sweeper reads optimized_metrics, `hydra` is Hydra's own
 OTHER_KEYS = ("optimized_metrics", "paths", "hydra")
 
@@ -358,8 +415,15 @@ def validate(cfg: DictConfig) -> None:
     dataset = _check_group(cfg, "dataset", DATASETS, "source")
     reward = _check_group(cfg, "reward", REWARDS, "kind")
     _check_group(cfg, "hardware", {None: Hardware}, None)
+    _check_group(cfg, "store", STORES, "kind")  # before logger: the logger's URIs come from it
     _check_group(cfg, "logger", LOGGERS, "kind")
+    if task == "probe":  # measures the estimators on a policy/reference pair: no training, no reward
+        _check_probe(cfg, model, teacher)
+        if dataset == "jsonl":
+            _check_jsonl(cfg.dataset, 1)
+        return
     _check_combination(cfg, task, est, model, teacher, reward)
+    _check_probe_every(cfg.task)
     _check_kl_ctl(cfg, task, kl_ctl)
     if dataset == "jsonl":  # last: the only check that reads files
         # the tabular model ignores the prompts (build_data): only the files' format matters then
@@ -378,7 +442,7 @@ def _check_combination(cfg: DictConfig, task: str, est: str, model: str, teacher
         if t.reward_coef != 0 and reward == "none":
             raise ConfigError(f"task.reward_coef={t.reward_coef} needs a reward, but reward=none")
     elif teacher is not None:
-        raise ConfigError(f"a teacher (model@teacher) only applies to task=distill, not task={task}")
+        raise ConfigError(f"a teacher (model@teacher) only applies to task=distill (and task=probe), not task={task}")
     for who in ("model", "teacher"):
         m = cfg.get(who)
         if m is not None and m.kind == "tabular" and m.eos is not None and m.eos >= m.K:
@@ -414,6 +478,36 @@ def _check_kl_ctl(cfg: DictConfig, task: str, kl_ctl: str) -> None:
     if c.signal == "cv_opt" and n < 2:
         raise ConfigError("kl_ctl.signal=cv_opt fits its multiplier on the step's samples and needs at least "
                           f"2 sequences per step, got task.prompts_per_step x task.n_samples = {n}")
+
+
+def _check_probe(cfg: DictConfig, model: str, teacher: str | None) -> None:
+    t = cfg.task
+    if t.grad_samples > t.samples:
+        raise ConfigError(f"task.grad_samples={t.grad_samples} must be <= task.samples={t.samples}: the gradient "
+                          "batch reuses the first grad_samples of each prompt's samples")
+    for who in ("model", "teacher"):
+        m = cfg.get(who)
+        if m is not None and m.kind == "tabular" and m.eos is not None and m.eos >= m.K:
+            raise ConfigError(f"{who}.eos must be a token id in [0, {who}.K={m.K}), got {m.eos}")
+    if teacher == "tabular":
+        m, te = cfg.model, cfg.teacher
+        if (m.K, m.T, m.eos) != (te.K, te.T, te.eos):
+            raise ConfigError(f"student and teacher vocabularies differ: model (K={m.K}, T={m.T}, eos={m.eos}) "
+                              f"vs teacher (K={te.K}, T={te.T}, eos={te.eos})")
+
+
+def _check_probe_every(t: DictConfig) -> None:
+    every = t.get("probe_every")
+    if every is None:
+        return
+    if every % t.val_every != 0:
+        raise ConfigError(f"task.probe_every={every} must be a multiple of task.val_every={t.val_every}: the probe "
+                          "runs at validations")
+    if t.get("probe") is None:
+        raise ConfigError("task.probe_every is set but task.probe (the probe's options) is missing")
+    if t.probe.grad_samples > t.probe.samples:
+        raise ConfigError(f"task.probe.grad_samples={t.probe.grad_samples} must be <= task.probe.samples="
+                          f"{t.probe.samples}")
 
 
 def _check_placement(cfg: DictConfig, est: str) -> None:

@@ -76,7 +76,7 @@ def open_store(uri: str, create: bool = True) -> None:
     _checked.add(uri)
 
 
-def ensure_experiment(tracking_uri: str, name: str, artifact_root: str) -> str:
+def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None) -> str:
     """Opens the store (created once, under a lock) and returns the experiment's id, creating it if needed."""
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -85,9 +85,12 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    os.makedirs(artifact_root, exist_ok=True)
+    location = None  # None: the tracking server's own artifact store
+    if artifact_root is not None:
+        os.makedirs(artifact_root, exist_ok=True)
+        location = f"file://{os.path.abspath(artifact_root)}/{name}"
     try:
-        return client.create_experiment(name, artifact_location=f"file://{os.path.abspath(artifact_root)}/{name}")
+        return client.create_experiment(name, artifact_location=location)
     except MlflowException:  # another process created it since we looked
         exp = client.get_experiment_by_name(name)
         if exp is None:
