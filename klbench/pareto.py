@@ -223,11 +223,11 @@ class UnknownExperiment(ValueError):
 
 
 def estimator_label(params: dict) -> str:
-    """The estimator name, with the value of a placement estimator: `in_reward(k3)`, so that every cell of the
-    kl_placement grid has its own frontier share and gap."""
+    """The estimator name, with the value of a placement estimator: `in_reward:k3`, so that every cell of the
+    kl_placement grid has its own frontier share and gap (MLflow metric names allow no parentheses)."""
     name = str(_param(params, "estimator"))
     value = next((params[k] for k in ("estimator.value", "estimator/value") if k in params), None)
-    return f"{name}({value})" if value not in (None, "", "None", "null") else name
+    return f"{name}:{value}" if value not in (None, "", "None", "null") else name
 
 
 def _param(params: dict, key: str):
