@@ -1,0 +1,62 @@
+"""Print the placement grid of docs/placement.md: the audit's verdict for every (value x placement) cell, with
+samples from pi (on-policy) and from a behaviour policy pi_old (off-policy), on the audit's three default
+tabular instances (exact enumeration, no sampling).
+
+    python docs/placement_grid.py            # about 10 s
+
+Off-policy: pi_old = theta + 0.5 * N(0, 1) per instance (klbench.tabular.behaviour_tables(..., 0.5)). An
+estimator that refuses old_logp != logp is audited with old_logp withheld (what it would do if it were fed
+pi_old's samples anyway), and marked so.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from klbench.estimators import gradient_estimator
+from klbench.tabular import audit
+
+CELLS = [  # (cell, estimator, options, n, known name)
+    ("k1 in reward", "in_reward", {"value": "k1"}, 1, "`seq`; RLOO/TRL RLOOTrainer KL"),
+    ("k1 in reward, reward-to-go", "in_reward", {"value": "k1", "form": "reward_to_go"}, 1, "`cumulative`; PPO per-token KL reward"),
+    ("k1 in reward, loo baseline", "in_reward", {"value": "k1", "baseline": "loo"}, 2, "`loo`"),
+    ("k2 in reward", "in_reward", {"value": "k2"}, 1, ""),
+    ("k3 in reward", "in_reward", {"value": "k3"}, 1, ""),
+    ("k1 in loss", "in_loss", {"value": "k1", "ratio": "none"}, 1, "`naive_mc`"),
+    ("k2 in loss", "in_loss", {"value": "k2", "ratio": "none"}, 1, "`token` (same gradient); verl mse"),
+    ("k3 in loss", "in_loss", {"value": "k3", "ratio": "none"}, 1, "`naive_cv`; GRPO, verl low_var_kl"),
+    ("k1 in loss x sg(w_t)", "in_loss", {"value": "k1"}, 1, "in_loss default ratio"),
+    ("k2 in loss x sg(w_t)", "in_loss", {"value": "k2"}, 1, "OpenRLHF unbiased_gradient (gradient)"),
+    ("k3 in loss x sg(w_t)", "in_loss", {"value": "k3"}, 1, ""),
+    ("k1 in loss x w_t", "in_loss", {"value": "k1", "ratio_grad": "differentiable"}, 1, ""),
+    ("k3 in loss x w_t", "in_loss", {"value": "k3", "ratio_grad": "differentiable"}, 1, "TRL use_bias_correction_kl"),
+    ("k1 in loss x W", "in_loss", {"value": "k1", "ratio": "sequence", "ratio_grad": "differentiable"}, 1, ""),
+    ("k3 in loss x W", "in_loss", {"value": "k3", "ratio": "sequence", "ratio_grad": "differentiable"}, 1, ""),
+    ("k3 in loss x sg(W)", "in_loss", {"value": "k3", "ratio": "sequence"}, 1, ""),
+    ("rb (exact per-position KL)", "rb", {}, 1, "`rb`"),
+]
+
+
+def verdicts(name: str, opts: dict, n: int) -> tuple[str, str]:
+    est = gradient_estimator(name, **opts)
+    on = audit(est, n=n).match
+    if est.supports_off_policy():
+        off = audit(est, n=n, behaviour=0.5).match
+    else:
+        off = audit(lambda b: est(replace(b, old_logp=None)), n=n, behaviour=0.5).match + " (refuses old_logp)"
+    return on, off
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    print("| cell | klbench | known as | on-policy (y ~ pi) | off-policy (y ~ pi_old) |")
+    print("|---|---|---|---|---|")
+    for cell, name, opts, n, known in CELLS:
+        on, off = verdicts(name, opts, n)
+        args = ", ".join(f"{k}={v}" for k, v in opts.items())
+        print(f"| {cell} | `{name}({args})` | {known} | {on} | {off} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Tables and figure of docs/placement.md from the MLflow stores of the issue-12 runs.
+
+    python docs/placement_results.py lm --tracking-uri sqlite:////tmp/kl12/lm/mlflow.db --experiment issue12-lm \
+        --out docs/img/placement_lm.png
+    python docs/placement_results.py tabular --tracking-uri sqlite:////tmp/kl12/tab/mlflow.db \
+        --experiment sweep-kl_placement-tabular
+
+lm: per (estimator cell, task.inner_steps), over seeds: final val/reward and val/seq_kl (mean and the range),
+the step-to-step variability of train/grad_norm (std of the logged values, every task.log_every steps, and
+the mean |difference| between consecutive logged values), the mean train/clip_frac, and runs that did not
+finish. tabular: per cell and inner_steps, mean exact val/seq_kl, val/reward and val/frontier_gap.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections import defaultdict
+
+import mlflow
+
+from klbench.pareto import estimator_label
+
+
+def _runs(client, experiment: str):
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise SystemExit(f"no experiment {experiment!r} in {client.tracking_uri}")
+    out, token = [], None
+    while True:
+        page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token)
+        out += [r for r in page if "mlflow.parentRunId" in r.data.tags or "klbench.task" in r.data.tags]
+        token = page.token
+        if not token:
+            return [r for r in out if "estimator.name" in r.data.params]
+
+
+def _history(client, run_id: str, key: str) -> list[float]:
+    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def _cell(params: dict) -> str:
+    return estimator_label(params)
+
+
+def lm(client, experiment: str, out: str | None) -> None:
+    groups: dict[tuple[str, int], list] = defaultdict(list)
+    for r in _runs(client, experiment):
+        groups[(_cell(r.data.params), int(r.data.params.get("task.inner_steps", 1)))].append(r)
+    print("| cell | inner_steps | seeds finished | final val/reward | final val/seq_kl | grad-norm std | "
+          "grad-norm mean abs step change | mean clip_frac |")
+    print("|---|---|---|---|---|---|---|---|")
+    points = []
+    for (cell, k), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        done = [r for r in runs if r.info.status == "FINISHED"]
+        rew = [r.data.metrics["val/reward"] for r in done]
+        kl = [r.data.metrics["val/seq_kl"] for r in done]
+        gstd, gdiff, clip = [], [], []
+        for r in done:
+            g = _history(client, r.info.run_id, "train/grad_norm")
+            gstd.append(statistics.pstdev(g))
+            gdiff.append(sum(abs(a - b) for a, b in zip(g[1:], g)) / max(len(g) - 1, 1))
+            c = _history(client, r.info.run_id, "train/clip_frac")
+            if c:
+                clip.append(sum(c) / len(c))
+            points.append((cell, k, r.data.metrics["val/seq_kl"], r.data.metrics["val/reward"]))
+        if not done:
+            print(f"| {cell} | {k} | 0 ({len(runs)} not finished) | - | - | - | - | - |")
+            continue
+        seeds = ",".join(sorted(r.data.params["seed"] for r in done))
+        bad = len(runs) - len(done)
+
+        def fmt(v):
+            return f"{statistics.mean(v):.3f} [{min(v):.3f}, {max(v):.3f}]" if v else "-"
+        print(f"| {cell} | {k} | {len(done)} ({seeds})" + (f", {bad} not finished" if bad else "") +
+              f" | {fmt(rew)} | {fmt(kl)} | {statistics.mean(gstd):.3f} | {statistics.mean(gdiff):.3f} | "
+              + (f"{statistics.mean(clip):.3f}" if clip else "-") + " |")
+    if out:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        cells = sorted({p[0] for p in points})
+        colors = dict(zip(cells, plt.cm.tab10.colors))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for cell, k, kl, rew in points:
+            ax.scatter(kl, rew, color=colors[cell], marker="o" if k == 1 else "^", s=40,
+                       label=f"{cell}, inner_steps={k}")
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=7, ncol=2)
+        ax.set_xlabel("final val/seq_kl: KL(pi || pi_ref) per sequence [nats] (rb estimate)")
+        ax.set_ylabel("final val/reward (VADER)")
+        ax.set_title("Embedded LM, 120 steps, beta 0.05: o inner_steps=1, ^ inner_steps=4")
+        fig.tight_layout()
+        fig.savefig(out, dpi=120)
+        print(f"wrote {out}")
+
+
+def tabular(client, experiment: str) -> None:
+    groups: dict[tuple[str, int], list] = defaultdict(list)
+    for r in _runs(client, experiment):
+        if r.info.status == "FINISHED" and "val/frontier_gap" in r.data.metrics:
+            groups[(_cell(r.data.params), int(r.data.params.get("task.inner_steps", 1)))].append(r)
+    print("| cell | inner_steps | runs | exact KL(pi‖pi_ref) | exact KL(pi_ref‖pi) | exact reward | gap to frontier |")
+    print("|---|---|---|---|---|---|---|")
+    for (cell, k), runs in sorted(groups.items()):
+        m = {key: statistics.mean(r.data.metrics[key] for r in runs)
+             for key in ("val/seq_kl", "val/kl_ref_pi", "val/reward", "val/frontier_gap")}
+        assert all(math.isfinite(v) for v in m.values())
+        print(f"| {cell} | {k} | {len(runs)} | {m['val/seq_kl']:.3f} | {m['val/kl_ref_pi']:.3f} | "
+              f"{m['val/reward']:.3f} | {m['val/frontier_gap']:.4f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=["lm", "tabular"])
+    p.add_argument("--tracking-uri", required=True)
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--out", default=None, help="lm: where to write the reward-vs-KL figure")
+    a = p.parse_args()
+    client = mlflow.MlflowClient(a.tracking_uri)
+    lm(client, a.experiment, a.out) if a.kind == "lm" else tabular(client, a.experiment)
+
+
+if __name__ == "__main__":
+    main()
