@@ -11,7 +11,7 @@ import klbench.cli  # noqa: F401  (registers the klbench_root resolver)
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
-          for g in ("task", "estimator", "model", "dataset", "reward", "hardware", "logger", "experiment")}
+          for g in ("task", "estimator", "model", "dataset", "reward", "hardware", "logger", "store", "experiment")}
 
 
 def compose_cfg(tmp_path, overrides=()):

@@ -45,7 +45,9 @@ def companions(group: str, option: str, tmp_path) -> list[str]:
             ("model", "hf"): ["model.name_or_path=gpt2"],
             ("reward", "tabular"): ["model=tabular"],
             ("reward", "hf_classifier"): ["reward.name_or_path=lvwerra/distilbert-imdb"],
-            ("dataset", "jsonl"): jsonl_overrides(tmp_path)[1:]}.get((group, option), [])
+            ("dataset", "jsonl"): jsonl_overrides(tmp_path)[1:],
+            ("store", "server"): ["store.mlflow=http://127.0.0.1:5000",
+                                  "store.optuna=postgresql+psycopg://klbench@127.0.0.1/klbench"]}.get((group, option), [])
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])

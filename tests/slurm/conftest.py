@@ -1,7 +1,7 @@
 """`slurm_cluster`: a private single-node SLURM cluster with accounting (see cluster.py), for the session.
 
-Tests marked `slurm` are excluded by default (pyproject addopts) until the SLURM scenarios of issue 13
-are built; `python -m pytest -m slurm` runs them, and they skip, saying why, where the cluster cannot start.
+Tests marked `slurm` are in the default test set; they skip, saying why, where the cluster cannot start
+(not root, or the packages of .ci/install_servers.sh missing). `python -m pytest -m slurm` runs only them.
 Set KLBENCH_SLURM_KEEP=1 to leave a cluster this session started running for the next one (restart: ~2 s).
 """
 import importlib.util

@@ -152,8 +152,9 @@ def test_preempted_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     out = tmp_path / "outputs"
     steps, every = 3000, 500
     task = [f"task.max_steps={steps}", f"task.val_every={every}"]
+    # a 60-minute limit: submitit calls any signal before 80% of it a preemption, after it a timeout
     sweep = klbench(out, "-m", "sweep=rl_beta", *TAB, *task, ONE_BETA, "hydra.sweeper.n_trials=1", *SLURM,
-                    "hydra.launcher.timeout_min=10", background=True)
+                    "hydra.launcher.timeout_min=60", background=True)
     run = wait_for("the trial's first checkpoint", lambda: only_trial_run(out), 240, sweep)
     job, reached = run.data.tags["klbench.slurm_job"], int(run.data.tags["klbench.steps_done"])
     # what SLURM sends before it preempts a job; submitit requeues it
@@ -170,6 +171,8 @@ def test_preempted_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     print(f"preemption: signalled after the checkpoint at step {reached}, resumed from step {resumed_at}; "
           f"attempts {[a['state'] for a in attempts]}")
     assert [a["state"] for a in attempts] == ["REQUEUED", "COMPLETED"]
+    job_log = next(Path(kid.data.tags["klbench.run_dir"]).parent.glob(f".submitit/{job}/{job}_0_log.err")).read_text()
+    assert "this job is preempted" in job_log
     # it resumed from the latest checkpoint: the work lost is what came after it, less than val_every steps
     assert resumed_at >= reached and resumed_at % every == 0
     straight = straight_run(out, *task)
@@ -177,12 +180,13 @@ def test_preempted_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
 
 
 def test_trial_over_its_time_limit_is_requeued_until_done(slurm_cluster, tmp_path):
-    """timeout_min=2 with 60 s of warning (slurmctld checks limits every 30 s): each attempt trains for
-    30 to 60 s, so the trial needs several. A second sweep with max_num_timeout=0 gets no second attempt
-    and ends failed, not finished."""
-    steps, every = 15000, 1000
+    """timeout_min=1 with 45 s of warning: slurmctld checks limits every 30 s, so the signal comes 15 to
+    45 s into an attempt and the kill 30 s later at the earliest; submitit requeues in between. The trial
+    needs several attempts. A second sweep with max_num_timeout=0 gets no second attempt and ends failed,
+    not finished."""
+    steps, every = 6000, 500
     task = [f"task.max_steps={steps}", f"task.val_every={every}"]
-    limit = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60"]
+    limit = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=45"]
     a, b = tmp_path / "a" / "outputs", tmp_path / "b" / "outputs"
     bounded = klbench(b, "-m", "sweep=rl_beta", *TAB, *task, ONE_BETA, "hydra.sweeper.n_trials=1", *SLURM,
                       *limit, "hydra.launcher.max_num_timeout=0", background=True)
