@@ -36,7 +36,7 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
         sys.exit(f"klbench: error: {e}")
     from klbench.train import run
     metrics = run(cfg)
-    if cfg.task.name == "pretrain":
+    if cfg.task.name in ("pretrain", "probe"):
         return None
     return metrics["val/reward"], metrics["val/seq_kl"]
 

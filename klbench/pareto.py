@@ -84,6 +84,30 @@ def frontier_share(labels: Sequence[str], mask: Sequence[bool]) -> dict[str, flo
             for lab in sorted(set(labels))}
 
 
+def frontier_share_ci(labels: Sequence[str], rewards: Sequence[float], kls: Sequence[float], n_boot: int = 1000,
+                      level: float = 0.95, seed: int = 0) -> dict[str, tuple[float, float]]:
+    """Bootstrap CI of each label's frontier share over runs: every resample redraws, with replacement and
+    within each label, as many runs as the label has (seeds and betas alike), then recomputes the frontier.
+    A run drawn twice counts twice, as seeds landing on the same point do. Percentile intervals."""
+    labels = [str(l) for l in labels]
+    r, k = np.asarray(rewards, dtype=float), np.asarray(kls, dtype=float)
+    if not labels:
+        return {}
+    names = sorted(set(labels))
+    members = {lab: np.array([i for i, l in enumerate(labels) if l == lab]) for lab in names}
+    rng = np.random.default_rng(seed)
+    shares = np.zeros((n_boot, len(names)))
+    for b in range(n_boot):
+        idx = np.concatenate([rng.choice(members[lab], size=len(members[lab])) for lab in names])
+        mask = non_dominated(r[idx], k[idx])
+        total = mask.sum()
+        own = [labels[i] for i in idx[mask]]
+        shares[b] = [own.count(lab) / total if total else 0.0 for lab in names]
+    a = (1 - level) / 2
+    lo, hi = np.quantile(shares, a, axis=0), np.quantile(shares, 1 - a, axis=0)
+    return {lab: (float(lo[j]), float(hi[j])) for j, lab in enumerate(names)}
+
+
 def hypervolume(rewards: Sequence[float], kls: Sequence[float],
                 ref_point: tuple[float, float] = DEFAULT_REF_POINT) -> float:
     """Area (reward x nats) dominated by the points and bounded by ref_point = (ref_reward, ref_kl).
@@ -115,8 +139,10 @@ def _records(points: Any) -> list[dict]:
     return [dict(p) for p in points]
 
 
-def summarize(points: Any, ref_point: tuple[float, float] | None = None) -> tuple[list[dict], dict]:
-    """Adds `on_frontier` to every point and returns (points, summary)."""
+def summarize(points: Any, ref_point: tuple[float, float] | None = None, n_boot: int = 0,
+              seed: int = 0) -> tuple[list[dict], dict]:
+    """Adds `on_frontier` to every point and returns (points, summary); with n_boot > 0 the summary also
+    holds `share_ci`, each label's 95% bootstrap CI of its frontier share (frontier_share_ci)."""
     recs = _records(points)
     ref_point = tuple(ref_point or DEFAULT_REF_POINT)
     rewards, kls = [p["reward"] for p in recs], [p["seq_kl"] for p in recs]
@@ -130,13 +156,18 @@ def summarize(points: Any, ref_point: tuple[float, float] | None = None) -> tupl
     summary = {"n_points": len(recs), "n_frontier": int(mask.sum()), "share": frontier_share(labels, mask),
                "counts": counts, "hypervolume": hypervolume(rewards, kls, ref_point),
                "ref_point": ref_point, "n_outside_ref": outside}
+    if n_boot > 0 and recs:
+        summary["share_ci"] = frontier_share_ci(labels, rewards, kls, n_boot=n_boot, seed=seed)
     return recs, summary
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"{'estimator':<14} {'points':>6} {'on frontier':>11} {'share':>7}"]
+    cis = summary.get("share_ci")
+    lines = [f"{'estimator':<14} {'points':>6} {'on frontier':>11} {'share':>7}" + ("  95% CI (bootstrap over runs)"
+                                                                                    if cis else "")]
     for lab, (n, nf) in summary["counts"].items():
-        lines.append(f"{lab:<14} {n:>6} {nf:>11} {summary['share'][lab]:>7.1%}")
+        ci = f"  [{cis[lab][0]:.1%}, {cis[lab][1]:.1%}]" if cis else ""
+        lines.append(f"{lab:<14} {n:>6} {nf:>11} {summary['share'][lab]:>7.1%}{ci}")
     lines.append(f"{'total':<14} {summary['n_points']:>6} {summary['n_frontier']:>11} "
                  f"{(1.0 if summary['n_frontier'] else 0.0):>7.1%}")
     ref_r, ref_k = summary["ref_point"]
@@ -360,12 +391,12 @@ def describe_groups(groups: list[tuple[dict[str, str], list[dict]]]) -> str:
 
 
 def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: Frontier | None = None,
-               ref_point: tuple[float, float] | None = None) -> dict:
+               ref_point: tuple[float, float] | None = None, n_boot: int = 1000) -> dict:
     """Logs pareto.png, pareto.csv and the pareto/* metrics to `run_id` (a sweep's parent run); returns
     the summary (n_points, n_frontier, share, counts, hypervolume, ref_point, n_outside_ref)."""
     from mlflow.entities import Metric
 
-    recs, summary = summarize(points, ref_point)
+    recs, summary = summarize(points, ref_point, n_boot=n_boot)
     if not recs:
         raise ValueError(f"no usable runs to put on a Pareto plot for run {run_id}")
     title = f"Pareto frontier of run {client.get_run(run_id).info.run_name}"
@@ -375,6 +406,8 @@ def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: F
         client.log_artifact(run_id, str(write_csv(recs, Path(tmp, "pareto.csv"))))
     now = int(time.time() * 1000)
     values = {f"pareto/share/{lab}": share for lab, share in summary["share"].items()}
+    for lab, (lo, hi) in summary.get("share_ci", {}).items():
+        values.update({f"pareto/share_lo/{lab}": lo, f"pareto/share_hi/{lab}": hi})
     values.update({"pareto/hypervolume": summary["hypervolume"], "pareto/n_points": summary["n_points"],
                    "pareto/n_frontier": summary["n_frontier"]})
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items()])
@@ -405,6 +438,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="hypervolume reference reward (default %(default)g, the lowest VADER score)")
     p.add_argument("--ref-kl", type=float, default=DEFAULT_REF_POINT[1],
                    help="hypervolume reference sequence KL in nats (default %(default)g)")
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N",
+                   help="bootstrap resamples of the runs for the frontier share's 95%% CI (0: none; default %(default)s)")
     dest = p.add_mutually_exclusive_group()
     dest.add_argument("--log-to", metavar="RUN_ID", help="also log the artifacts and pareto/* metrics to this run")
     dest.add_argument("--new-run", metavar="NAME", help="also log them to a new run with this name")
@@ -440,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(args.out or store.outputs_dir() / "pareto" / time.strftime("%Y%m%d-%H%M%S"))
         for i, (labels, pts) in enumerate(groups):
             where = out if len(groups) == 1 else out / f"group-{i + 1}"
-            recs, summary = summarize(pts, ref_point)
+            recs, summary = summarize(pts, ref_point, n_boot=args.bootstrap)
             what = ", ".join(sorted({r["experiment"] for r in recs}))
             if labels:
                 what += " (" + ", ".join(f"{k}={v}" for k, v in labels.items()) + ")"
@@ -450,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {png} and {write_csv(recs, where / 'pareto.csv')}")
         if args.log_to or args.new_run:
             run_id = args.log_to or _new_run(client, args, found)
-            log_pareto(client, run_id, found, ref_point=ref_point)
+            log_pareto(client, run_id, found, ref_point=ref_point, n_boot=args.bootstrap)
             if args.new_run:
                 client.set_terminated(run_id)
             print(f"logged pareto.png, pareto.csv and pareto/* metrics to MLflow run {run_id}")

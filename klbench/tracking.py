@@ -149,7 +149,7 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     client = mlflow.MlflowClient(lg.tracking_uri)
     runs.reap(client, [exp_id], noticed_by=f"a run starting (pid {os.getpid()})")
     id_file = os.path.join(run_dir, RUN_ID_FILE)
-    tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.max_steps)}
+    tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.get("max_steps", 1))}  # task=probe: one step
     if resume and os.path.isfile(id_file):
         run_id = open(id_file).read().strip()
         try:

@@ -173,6 +173,12 @@ class RLTask(pl.LightningModule):
         if self.trainer.is_global_zero and self.logger is not None:
             self.logger.log_metrics(m, step=self.global_step)
         self.sample_tables.append((self.global_step, rows[: self.cfg["n_sample_texts"]]))
+        every = self.cfg.get("probe_every")
+        if every and self.global_step % every == 0 and self.trainer.is_global_zero and self.logger is not None:
+            # estimator variance as pi moves from pi_ref; its own RNG stream, so training is not shifted
+            from klbench.tasks.probe import probe_during_training
+            probe = probe_during_training(self.policy, [r["prompt"] for r in rows], self.cfg["probe"])
+            self.logger.log_metrics(probe, step=self.global_step)
 
     def _exact_metrics(self, sampled: dict[str, float]) -> dict[str, float]:
         """On the tabular model the truth is computable: report it, keeping the sampled estimates beside it."""

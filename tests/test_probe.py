@@ -1,0 +1,239 @@
+"""The estimator probe (klbench/probe.py, task=probe, task.probe_every): its statistics against exact values
+on the tabular model, the naive estimators' documented failures, RNG isolation, the runner and its record."""
+from __future__ import annotations
+
+import math
+
+import mlflow
+import pytest
+import torch
+
+from klbench.estimators import gradient_estimator, value_estimator
+from klbench.policies import TabularPolicy
+from klbench.probe import (BATCH_FITTED, CountSketch, ProbeConfig, Welford, bootstrap_weights, gradient_variants,
+                           run_probe, value_variants)
+from klbench.tabular import TabularModel
+from test_config import compose_cfg
+
+# instances: (K, T, eos, ref seed, policy seed, policy scale); the last one is sharp (large KL, heavy tails)
+INSTANCES = [(3, 3, None, 100, 200, 1.0), (4, 3, 0, 101, 201, 1.0), (3, 4, 0, 102, 202, 1.0),
+             (3, 3, 2, 103, 203, 0.5)]
+P, MX, MG = 2, 4, 2  # prompts, samples per prompt (values), samples per prompt in a gradient batch
+
+
+def _policy(K, T, eos, ref_seed, seed, scale):
+    model = TabularModel(K, T, eos=eos, seed=ref_seed)
+    return TabularPolicy(model, model.random_policy(seed, scale))
+
+
+def _exact(policy: TabularPolicy, sizes: list[int]) -> dict:
+    """Exact value of every statistic the probe estimates, by enumeration (klbench.tabular)."""
+    model, theta = policy.table, policy.theta.detach()
+    kl = float(model.kl_pi_ref(theta))
+    refs = {k: v.flatten() for k, v in model.exact_gradients(theta).items()}
+    out = {}
+    for lab, (name, opts) in value_variants().items():
+        est = value_estimator(name, **opts)
+        if lab in BATCH_FITTED:  # fitted on each M-tuple: enumerate the M=2 tuples one by one
+            idx, w = model._tuples(theta, 2)
+            vals = torch.stack([est(model.batch(theta, row)).double().mean() for row in idx])
+            mean = float((w * vals).sum())
+            out[("value", lab, 2)] = {"bias": mean - kl, "std": float((w * (vals - mean) ** 2).sum()) ** 0.5}
+            continue
+        mom = model.value_moments(est, theta, n=1)
+        for M in sizes:
+            out[("value", lab, M)] = {"bias": float(mom.mean) - kl, "std": (mom.trace / M) ** 0.5}
+    for lab, (name, opts) in gradient_variants().items():
+        mom = model.gradient_moments(gradient_estimator(name, **opts), theta, n=MG)
+        g = mom.mean.flatten()
+        row = {"trace_cov": mom.trace / P, "mean_norm_sq": float(g @ g)}  # P independent prompts per batch
+        if float(g @ g) > 1e-20:
+            for ref, r in refs.items():
+                if ref in ("kl_pi_ref", "kl_ref_pi"):
+                    row[f"cos_{ref}"] = float(g @ r / (g.norm() * r.norm()))
+        out[("grad", lab)] = row
+    return out
+
+
+def _checks(result, exact) -> list[tuple[str, float, float, float]]:
+    """(what, exact value, CI low, CI high) for every statistic with an exact value."""
+    out = []
+    rows = {(r["estimator"], r["M"]): r for r in result.values}
+    grads = {r["estimator"]: r for r in result.gradients}
+    for key, stats in exact.items():
+        row = rows[key[1:]] if key[0] == "value" else grads[key[1]]
+        for stat, value in stats.items():
+            out.append((f"{key} {stat}", value, row[stat + "_lo"], row[stat + "_hi"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tabular_probes():
+    """Each instance probed at the 95% and the 99% level (the same replicates: same seed), with its exact values."""
+    torch.set_num_threads(1)
+    out = []
+    for inst in INSTANCES:
+        policy = _policy(*inst)
+        cfg = ProbeConfig(samples=MX, grad_samples=MG, replicates=400, bootstrap=400, seed=7)
+        r95 = run_probe(policy, ["<t>"] * P, cfg, progress=False)
+        r99 = r95.at_level(0.99)
+        out.append((inst, r95, r99, _exact(policy, cfg.sizes)))
+    return out
+
+
+# Sequence-level control variates carry exp(-rho) of the whole sequence: their per-sample distribution is
+# heavy-tailed, and no resampling of R replicates can see tail mass they did not draw. Measured on instance 0
+# over 30 probe seeds (R=400): their variance CIs covered the exact value 70-73% of the time at nominal 95%
+# (docs/probe.md). They are held to 3 instances of 4 at 99%, the rest to every instance.
+HEAVY_TAILED = ("cv_seq", "naive_cv_seq")
+
+
+def test_probe_agrees_with_exact_values_on_tabular(tabular_probes):
+    """Every value variance and bias and every gradient trace, squared mean norm and cosine the probe
+    estimates on the tabular instances agrees with the exact value within the probe's own CIs: within its
+    99% CIs (heavy-tailed estimators: on 3 instances of 4), and within its 95% CIs at about the promised rate."""
+    misses95, misses99, heavy_bad, n = [], [], set(), 0
+    for i, (inst, r95, r99, exact) in enumerate(tabular_probes):
+        for (what, value, lo, hi), (_, _, lo99, hi99) in zip(_checks(r95, exact), _checks(r99, exact)):
+            n += 1
+            assert math.isfinite(lo) and math.isfinite(hi), (inst, what)
+            tol = 1e-12 * max(1.0, abs(value))  # exact zeros (rb's bias) against CIs of width 0
+            if not lo - tol <= value <= hi + tol:
+                misses95.append((inst, what, value, lo, hi))
+            if not lo99 - tol <= value <= hi99 + tol:
+                if any(f"'{h}'" in what for h in HEAVY_TAILED):
+                    heavy_bad.add(i)
+                else:
+                    misses99.append((inst, what, value, lo99, hi99))
+    print(f"\n{n} checks: {len(misses95)} outside the 95% CI; heavy-tailed misses at 99% on instances {heavy_bad}")
+    for m in misses95:
+        print("  95% miss:", m)
+    assert n >= 3 * 60
+    assert not misses99, misses99
+    assert len(heavy_bad) <= 1, heavy_bad
+    assert len(misses95) <= 0.05 * n + 2 * math.sqrt(0.05 * 0.95 * n), misses95
+
+
+def test_naive_estimators_fail_as_documented_on_tabular(tabular_probes):
+    for inst, r95, _, exact in tabular_probes:
+        g = {r["estimator"]: r for r in r95.gradients}
+        # naive_mc: its mean gradient is zero (the CI of the debiased ||E g||^2 holds 0), though it is noisy
+        assert g["naive_mc"]["mean_norm_sq_lo"] <= 0 <= g["naive_mc"]["mean_norm_sq_hi"], inst
+        assert g["naive_mc"]["trace_cov_lo"] > 0
+        # naive_cv at sequence level follows grad kl_ref_pi (cosine 1 within CI), not grad kl_pi_ref
+        cv = g["naive_cv_seq"]
+        assert cv["cos_kl_ref_pi_lo"] <= 1 <= cv["cos_kl_ref_pi_hi"], inst
+        assert cv["cos_kl_pi_ref_hi"] < 0.99, inst
+        assert exact[("grad", "naive_cv_seq")]["cos_kl_pi_ref"] < 0.99  # and exactly so
+        # every unbiased estimator of grad kl_pi_ref has cosine 1 within its CI
+        for lab in ("seq", "cumulative", "loo", "rb"):
+            assert g[lab]["cos_kl_pi_ref_lo"] <= 1 <= g[lab]["cos_kl_pi_ref_hi"], (inst, lab)
+
+
+def test_welford_sketch_and_bootstrap_weights():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 7, generator=gen, dtype=torch.float64) * torch.arange(1, 8)
+    w = Welford(7)
+    for row in x:
+        w.update(row)
+    assert torch.allclose(w.mean, x.mean(0)) and math.isclose(w.trace_cov, float(x.var(0).sum()), rel_tol=1e-12)
+    # a CountSketch keeps inner products in expectation over its draw; here: averaged over 400 draws
+    a, b = torch.randn(300, generator=gen, dtype=torch.float64), torch.randn(300, generator=gen, dtype=torch.float64)
+    b = b + a
+    dots = torch.tensor([float(s(a) @ s(b)) for s in (CountSketch(300, 32, seed) for seed in range(400))])
+    assert abs(float(dots.mean()) - float(a @ b)) < 4 * float(dots.std()) / 20
+    W = bootstrap_weights(10, 50, seed=1)
+    assert W.shape == (51, 10) and (W[0] == 1).all() and (W.sum(1) == 10).all()
+
+
+def test_probe_restores_the_rng_and_repeats_itself():
+    policy = _policy(3, 3, None, 100, 200, 1.0)
+    cfg = ProbeConfig(samples=2, grad_samples=2, replicates=5, bootstrap=20, gradient_estimators=["rb", "seq"],
+                      value_estimators=["mc", "rb"])
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = run_probe(policy, ["<t>"], cfg, progress=False)
+    assert torch.equal(torch.get_rng_state(), state)
+    b = run_probe(policy, ["<t>"], cfg, progress=False)
+    assert str(a.values) == str(b.values) and str(a.gradients) == str(b.gradients)  # (nan != nan)
+    assert all(p.grad is None for p in policy.trainable())  # .grad is never touched
+    with pytest.raises(ValueError, match="unknown gradient estimator"):
+        run_probe(policy, ["<t>"], ProbeConfig(gradient_estimators=["nope"]), progress=False)
+    with pytest.raises(ValueError, match="grad_samples"):
+        ProbeConfig(samples=2, grad_samples=4)
+
+
+def test_probe_task_on_tabular_writes_the_record(tmp_path, single_thread):
+    from klbench.train import run
+    # the pair: a student table against another table as teacher (model@teacher), so the KL is not 0
+    cfg = compose_cfg(tmp_path, ["task=probe", "model=tabular", "model@teacher=tabular", "teacher.ref_seed=5",
+                                 "reward=tabular", "task.prompts=2", "task.samples=4", "task.grad_samples=2",
+                                 "task.replicates=20", "task.bootstrap=50"])
+    out = run(cfg)
+    client = mlflow.MlflowClient(cfg.logger.tracking_uri)
+    (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
+    assert r.info.status == "FINISHED" and r.info.run_name.startswith("probe-tabular")
+    assert out["kl_reference"] > 0.1
+    for key in ("value/std_ratio_mc/rb", "value/std/rb/M4", "grad/var_ratio_seq/rb", "grad/cos_kl_pi_ref/rb",
+                "grad/cos_kl_ref_pi/naive_cv_seq", "grad/trace_cov/naive_mc_lo"):
+        assert key in r.data.metrics and math.isclose(r.data.metrics[key], out[key]), key
+    arts = {a.path for a in client.list_artifacts(r.info.run_id)}
+    assert {"probe_values.csv", "probe_values.md", "probe_gradients.csv", "probe_gradients.md",
+            "probe_value_std.png", "probe_gradients.png", "probe_meta.json"} <= arts
+
+
+def test_probe_every_does_not_shift_training(tmp_path, single_thread):
+    """A tabular RL run with task.probe_every logs probe/* metrics and the very same train/* and val/* values
+    as the same run without it."""
+    from klbench.train import run
+    base = ["experiment=tabular", "task.max_steps=20", "task.val_every=10", "task.log_every=1"]
+    probe = ["task.probe_every=10", "task.probe.replicates=4", "task.probe.bootstrap=10", "task.probe.prompts=1"]
+    histories = []
+    for name, extra in (("plain", []), ("probed", probe)):
+        cfg = compose_cfg(tmp_path / name, base + extra)
+        run(cfg)
+        client = mlflow.MlflowClient(cfg.logger.tracking_uri)
+        (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
+        histories.append({k: [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, k)]
+                          for k in r.data.metrics})
+    plain, probed = histories
+    assert {k for k in probed if k.startswith("probe/")} >= {"probe/grad_var_ratio_seq/rb", "probe/kl_reference"}
+    assert [s for s, _ in probed["probe/kl_reference"]] == [0, 10, 20]
+    shared = [k for k in plain if k.startswith(("train/", "val/"))]
+    assert len(shared) > 5
+    for k in shared:
+        assert probed[k] == plain[k], k
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["task.replicates=1"], "task.replicates must be an integer >= 2"),
+    (["task.grad_samples=64"], "task.grad_samples=64 must be <= task.samples=32"),
+    (["task.ci_level=1.5"], "task.ci_level must be a number in"),
+    (["task.gradient_estimators=[]"], "task.gradient_estimators must be null or a non-empty list"),
+])
+def test_bad_probe_options_are_refused(tmp_path, overrides, match):
+    from klbench.schema import ConfigError, validate
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(tmp_path, ["task=probe"] + overrides))
+
+
+def test_probe_every_must_fall_on_validations(tmp_path):
+    from klbench.schema import ConfigError, validate
+    with pytest.raises(ConfigError, match="multiple of task.val_every"):
+        validate(compose_cfg(tmp_path, ["task.probe_every=30", "task.val_every=40"]))
+
+
+def test_frontier_share_ci():
+    from klbench.pareto import frontier_share_ci, summarize
+    # rb dominates everywhere: its share is 1 in every resample; a mixed frontier gets an interval around its share
+    labels = ["rb"] * 5 + ["mc"] * 5
+    kls = [1, 2, 3, 4, 5] + [6, 7, 8, 9, 10]
+    rewards = [0.5, 0.6, 0.7, 0.8, 0.9] + [0.1, 0.15, 0.2, 0.25, 0.3]
+    assert frontier_share_ci(labels, rewards, kls, n_boot=200) == {"mc": (0.0, 0.0), "rb": (1.0, 1.0)}
+    kls = [1, 2, 3, 4, 5] * 2
+    rewards = [0.5, 0.6, 0.7, 0.8, 0.9] + [0.55, 0.5, 0.75, 0.7, 0.95]
+    ci = frontier_share_ci(labels, rewards, kls, n_boot=500, seed=1)
+    _, summary = summarize({"estimator": labels, "reward": rewards, "seq_kl": kls}, n_boot=500, seed=1)
+    assert summary["share_ci"] == ci
+    for lab, (lo, hi) in ci.items():
+        assert 0 <= lo < summary["share"][lab] < hi <= 1, (lab, lo, hi)
