@@ -1,4 +1,4 @@
-"""Exact (enumerated, noise-free) checks of every expected-gradient and expected-value claim in kl-math.md.
+"""Exact (enumerated, noise-free) checks of every expected-gradient and expected-value claim in docs/kl-math.md.
 
 Run with -s to see the variance figures that the README quotes.
 """
@@ -57,7 +57,7 @@ def _assert_grad(model, theta, est, expected, n=1):
     assert err <= TOL, f"{est!r}: max |E[g] - expected| = {err:.3e}"
 
 
-# ---- gradient estimators: E[g] equals the kl-math.md statement ----
+# ---- gradient estimators: E[g] equals the docs/kl-math.md statement ----
 
 @pytest.mark.parametrize("name", ["seq", "cumulative", "rb"])
 def test_unbiased_gradient_estimators(instance, name):
@@ -194,7 +194,7 @@ def test_rloo_example_equals_loo_estimator():
 
 @pytest.mark.parametrize("loss", [grpo_k3_bias_corrected_loss, k2_mse_loss], ids=["grpo_bias_corrected", "k2_mse"])
 def test_audit_per_token_ratio_losses_are_token(loss):
-    # kl-math.md's table puts both on `token`: rho_t * grad l_t per token
+    # docs/kl-math.md's table puts both on `token`: rho_t * grad l_t per token
     assert audit(loss).match == "partial_kl_pi_ref"
 
 
