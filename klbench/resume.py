@@ -16,6 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 IDENTITY = ("task", "estimator", "kl_ctl", "model", "teacher", "reward", "dataset", "seed")
 # what a group was before it existed, for checkpoints made then: beta was always fixed
 BEFORE_GROUP = {"kl_ctl": {"name": "fixed"}}
+# what an option was before it existed, for checkpoints made then: the value that does what klbench did
+BEFORE_KEY = {"task.inner_steps": 1, "task.clip_eps": 0.2}
+
+
+# task keys that only add measurements (klbench.probe at validations, on its own RNG stream): they never
+# change what a run trains, so a run may resume with them changed or added
+MEASUREMENT_ONLY = ("task.probe_every", "task.probe")
 
 
 class ResumeError(ValueError):
@@ -45,9 +52,12 @@ def config_changes(saved: dict, cfg: DictConfig) -> list[str]:
     out: list[str] = []
 
     def walk(a, b, key: str) -> None:
+        if key in MEASUREMENT_ONLY:
+            return
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
-                walk(a.get(k), b.get(k), f"{key}.{k}" if key else k)
+                sub = f"{key}.{k}" if key else k
+                walk(a[k] if k in a else BEFORE_KEY.get(sub), b.get(k), sub)
         elif a != b:
             out.append(f"{key} ({a!r} in the checkpoint, {b!r} now)")
 

@@ -261,6 +261,20 @@ def test_checkpoint_from_another_config_is_refused(tmp_path):
     assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == r.data.tags[runs.MAX_STEPS] == "30"
 
 
+def test_checkpoint_from_before_an_option_existed_resumes(tmp_path):
+    """A checkpoint made before kl_ctl, task.inner_steps and task.clip_eps existed holds none of them:
+    the values that do what klbench did then are no change, any other value is."""
+    from omegaconf import OmegaConf
+
+    from klbench.resume import config_changes
+    cfg = compose_cfg(tmp_path, TABULAR)
+    old = OmegaConf.to_container(cfg, resolve=True)
+    del old["kl_ctl"], old["task"]["inner_steps"], old["task"]["clip_eps"]
+    assert config_changes(old, cfg) == []
+    changed = compose_cfg(tmp_path, TABULAR + ["task.inner_steps=2"])
+    assert config_changes(old, changed) == ["task.inner_steps (1 in the checkpoint, 2 now)"]
+
+
 class NotKlbench:  # an object that only unpickling code could rebuild
     pass
 
