@@ -16,10 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 
-import klbench.cli  # noqa: F401  (registers the klbench_root resolver)
+from klbench.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = sorted(p.stem for p in (ROOT / "sweeps" / "sweep").glob("*.yaml"))
@@ -27,23 +25,18 @@ LAUNCHERS = sorted(p.stem for p in (ROOT / "conf" / "hydra" / "launcher").glob("
 TINY = ["experiment=tabular", "task.max_steps=10", "task.val_every=5"]
 
 
-def compose_sweep(overrides, monkeypatch, outputs):
-    monkeypatch.setenv("KLBENCH_OUTPUTS", str(outputs))  # read whenever paths.outputs is resolved
-    for var in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID", "KLBENCH_RESUME_CKPT"):
-        monkeypatch.delenv(var, raising=False)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="test"):
-        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in paths.outputs
-    return cfg
-
-
-def klbench_multirun(outputs: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def cli_env(outputs: Path, **extra: str) -> dict[str, str]:
+    """The environment of a klbench CLI process writing to `outputs`, free of this process's sweep state."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID",
                                                             "KLBENCH_RESUME_CKPT")}
     # one thread: the tabular model gains nothing from more, and a busy 2-core machine loses a lot
-    env.update(KLBENCH_OUTPUTS=str(outputs), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", *overrides], cwd=outputs.parent, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env.update(KLBENCH_OUTPUTS=str(outputs), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def klbench_multirun(outputs: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", *overrides], cwd=outputs.parent,
+                          env=cli_env(outputs), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -78,9 +71,9 @@ def test_the_three_sweeps_exist():
 
 
 @pytest.mark.parametrize("name", SWEEPS)
-def test_sweep_composes(tmp_path, monkeypatch, name):
+def test_sweep_composes(tmp_path, name):
     from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
-    cfg = compose_sweep([f"sweep={name}", "experiment=tabular"], monkeypatch, tmp_path / "outputs")
+    cfg = compose([f"sweep={name}", "experiment=tabular"], outputs=tmp_path / "outputs", hydra=True)
     sw = cfg.hydra.sweeper
     assert sw._target_.endswith("OptunaSweeper")
     assert list(sw.direction) == ["maximize", "minimize"]  # optimized_metrics: val/reward up, val/seq_kl down
@@ -98,23 +91,23 @@ def test_sweep_composes(tmp_path, monkeypatch, name):
         assert beta.log and beta.low == 1e-3 and beta.high == 1.0
 
 
-def test_grid_size_caps_the_study(tmp_path, monkeypatch):
+def test_grid_size_caps_the_study(tmp_path):
     from klbench.callbacks import _study_total
-    cfg = compose_sweep(["sweep=estimators_grid", "experiment=tabular"], monkeypatch, tmp_path)
+    cfg = compose(["sweep=estimators_grid", "experiment=tabular"], outputs=tmp_path, hydra=True)
     assert _study_total(cfg) == 2 * 5 * 3
-    cfg = compose_sweep(["sweep=estimators_grid", "experiment=tabular", 'hydra.sweeper.params={seed:"choice(0)"}'],
-                        monkeypatch, tmp_path)
+    cfg = compose(["sweep=estimators_grid", "experiment=tabular", 'hydra.sweeper.params={seed:"choice(0)"}'],
+                  outputs=tmp_path, hydra=True)
     assert _study_total(cfg) == 2 * 5
     # the plugin would still enumerate a dimension fixed on the command line, repeating grid points
-    cfg = compose_sweep(["sweep=estimators_grid", "experiment=tabular", "seed=0"], monkeypatch, tmp_path)
+    cfg = compose(["sweep=estimators_grid", "experiment=tabular", "seed=0"], outputs=tmp_path, hydra=True)
     with pytest.raises(ValueError, match="seed"):
         _study_total(cfg)
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_launcher_composes(tmp_path, monkeypatch, launcher):
-    cfg = compose_sweep(["sweep=rl_beta", "experiment=tabular", f"hydra/launcher={launcher}"], monkeypatch,
-                        tmp_path)
+def test_launcher_composes(tmp_path, launcher):
+    cfg = compose(["sweep=rl_beta", "experiment=tabular", f"hydra/launcher={launcher}"], outputs=tmp_path,
+                  hydra=True)
     lc = cfg.hydra.launcher
     if launcher == "local":
         assert lc._target_.endswith("LocalLauncher")

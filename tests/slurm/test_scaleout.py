@@ -6,7 +6,6 @@ exactly the metrics of one that ran straight through.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_sweeps import children as kids
+from test_sweeps import cli_env, study
+from test_sweeps import mlflow_client as client
 
 pytestmark = pytest.mark.slurm
 
@@ -26,38 +28,17 @@ TAB = ["experiment=tabular", "estimator=rb"]
 ONE_BETA = 'hydra.sweeper.params={estimator.beta:"choice(0.1)"}'
 
 
-def _env(outputs: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID",
-                                                            "KLBENCH_RESUME_CKPT")}
-    env.update(KLBENCH_OUTPUTS=str(outputs), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    return env
-
-
 def klbench(outputs: Path, *args: str, timeout: float = 300, background: bool = False):
     cmd = [sys.executable, "-m", "klbench.cli", *args]
     outputs.parent.mkdir(parents=True, exist_ok=True)
     if background:
         log = open(outputs.parent / f"sweep-{time.time_ns()}.log", "w")
-        return subprocess.Popen(cmd, cwd=outputs.parent, env=_env(outputs), stdout=log, stderr=subprocess.STDOUT)
-    proc = subprocess.run(cmd, cwd=outputs.parent, env=_env(outputs), capture_output=True, text=True,
+        return subprocess.Popen(cmd, cwd=outputs.parent, env=cli_env(outputs), stdout=log,
+                                stderr=subprocess.STDOUT)
+    proc = subprocess.run(cmd, cwd=outputs.parent, env=cli_env(outputs), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
-
-
-def study(outputs: Path, name: str):
-    import optuna
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{outputs}/optuna.db")
-
-
-def client(outputs: Path):
-    from mlflow import MlflowClient
-    return MlflowClient(f"sqlite:///{outputs}/mlflow.db")
-
-
-def kids(c, parent_id: str) -> list:
-    exp = c.get_run(parent_id).info.experiment_id
-    return c.search_runs([exp], f"tags.mlflow.parentRunId = '{parent_id}'")
 
 
 def states(st) -> list[str]:

@@ -1,11 +1,11 @@
 """Many processes writing to the shared stores at the same moment lose nothing and duplicate nothing."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_sweeps import cli_env
 
 pytestmark = pytest.mark.servers
 
@@ -49,10 +49,7 @@ def test_sweep_on_server_stores(postgres_url, mlflow_server, tmp_path):
     import optuna
     from mlflow import MlflowClient
     outputs = tmp_path / "outputs"
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID",
-                                                            "KLBENCH_RESUME_CKPT")}
-    env.update(KLBENCH_OUTPUTS=str(outputs), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               KLBENCH_MLFLOW_URI=mlflow_server, KLBENCH_OPTUNA_STORAGE=postgres_url)
+    env = cli_env(outputs, KLBENCH_MLFLOW_URI=mlflow_server, KLBENCH_OPTUNA_STORAGE=postgres_url)
     steps, every = 40, 10
     r = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", "sweep=rl_beta", "experiment=tabular",
                         "estimator=rb", f"task.max_steps={steps}", f"task.val_every={every}", "store=server",
