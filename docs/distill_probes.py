@@ -11,29 +11,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def compose(experiment: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import open_dict
-
-    import klbench.cli  # noqa: F401  (registers the klbench_root resolver)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="probe"):
-        cfg = hydra_compose("config", overrides=[f"experiment={experiment}"])
-    with open_dict(cfg):  # the run folder does not exist outside a Hydra run
-        cfg.paths.outputs = str(ROOT / "outputs")
-    return cfg
+def experiment_config(experiment: str):
+    from klbench.compose import compose
+    return compose([f"experiment={experiment}"])
 
 
 def tabular_exact(lrs: list[float], sgd: bool, steps: int = 100) -> None:
     from klbench.tabular import TabularModel
-    cfg = compose("distill_estimators_tabular")
+    cfg = experiment_config("distill_estimators_tabular")
     m, t = cfg.model, cfg.teacher
     teacher = TabularModel(m.K, m.T, eos=m.eos, seed=t.ref_seed, ref_scale=t.ref_scale)
     start = TabularModel(m.K, m.T, eos=m.eos, seed=m.ref_seed, ref_scale=m.ref_scale).ref_logits  # [P, K]
@@ -64,9 +53,9 @@ def lm_gradients(n_batches: int) -> None:
     from klbench.estimators import gradient_estimator
     from klbench.policies import build_policy
     torch.manual_seed(0)
-    cfg = compose("distill_estimators")
+    cfg = experiment_config("distill_estimators")
     t = cfg.task
-    policy = build_policy(cfg.model, t.max_new_tokens, cfg.paths.outputs, cfg.teacher)
+    policy = build_policy(cfg.model, t.max_new_tokens, cfg.paths.cache, cfg.teacher)
     prompts, _ = load_prompts(cfg.dataset)
     names = ("token", "seq", "cumulative", "loo", "rb")
     params = policy.trainable()

@@ -56,12 +56,9 @@ def gap_table(recs: list[dict], frontier) -> None:
 
 def tabular_frontier():
     """The exact frontier of the default tabular experiment, built as the sweep callback builds it."""
-    from hydra import compose, initialize_config_dir
-
-    import klbench.cli  # noqa: F401  (registers the klbench_root resolver)
     from klbench.callbacks import exact_frontier
-    with initialize_config_dir(config_dir=str(Path(klbench.cli.ROOT, "conf")), job_name="figures"):
-        return exact_frontier(compose("config", overrides=["experiment=tabular"]))
+    from klbench.compose import compose
+    return exact_frontier(compose(["experiment=tabular"]))
 
 
 if __name__ == "__main__":

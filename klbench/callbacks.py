@@ -367,7 +367,7 @@ def exact_frontier(config: DictConfig):
         return None
     from klbench.policies import build_policy
     from klbench.rewards import build_reward
-    policy = build_policy(model, max_new_tokens=1, outputs_dir="")  # tabular: nothing is read from disk
+    policy = build_policy(model, max_new_tokens=1)  # tabular: nothing is read from disk
     return policy.table.pareto_frontier(build_reward(reward, policy).table)
 
 

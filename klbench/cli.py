@@ -15,6 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from klbench import store
+from klbench.embedded.cache import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 # conf/config.yaml puts ${klbench_root:}/sweeps on Hydra's search path wherever klbench is run from
@@ -22,6 +23,8 @@ OmegaConf.register_resolver("klbench_root", lambda: str(ROOT), replace=True)
 # one place (klbench.store) decides where the record lives, for runs, sweeps and klbench-pareto alike
 OmegaConf.register_resolver("klbench_outputs", lambda: str(store.outputs_dir()), replace=True)
 OmegaConf.register_resolver("klbench_tracking_uri", store.tracking_uri, replace=True)
+# the per-user cache of embedded models (klbench.embedded.cache), shared by every outputs folder
+OmegaConf.register_resolver("klbench_cache", lambda: str(cache_dir()), replace=True)
 
 
 @hydra.main(config_path=str(ROOT / "conf"), config_name="config",

@@ -13,7 +13,7 @@ from klbench.prompts_jsonl import read_prompts
 def load_prompts(cfg) -> tuple[list[str], list[str]]:
     """(train, val) prompt lists for a `dataset` config."""
     if cfg.source == "embedded":
-        from klbench.corpus import embedded_prompts
+        from klbench.embedded.corpus import embedded_prompts
         return embedded_prompts("train"), embedded_prompts("val")
     if cfg.source == "jsonl":
         return _read_jsonl(cfg.train_path, cfg.field), _read_jsonl(cfg.val_path, cfg.field)

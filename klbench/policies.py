@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from klbench.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
 from klbench.tabular import TabularModel
 
@@ -124,9 +125,10 @@ class TabularPolicy(nn.Module):
         return self.theta.device
 
 
-def build_policy(cfg, max_new_tokens: int, outputs_dir: str, teacher=None) -> nn.Module:
-    """The `model` group: tabular, the embedded GPT-2 (built and cached offline), or any HF causal LM.
+def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teacher=None) -> nn.Module:
+    """The `model` group: tabular, the embedded GPT-2 (built once into the per-user cache), or any HF causal LM.
 
+    cache_root: the embedded models' cache (paths.cache; None: klbench.embedded.cache_dir()).
     With `teacher` (a second `model` config, task=distill) the teacher is pi_ref; otherwise pi_ref is the
     policy's own starting point (model.ref_name_or_path for hf).
     """
@@ -135,10 +137,10 @@ def build_policy(cfg, max_new_tokens: int, outputs_dir: str, teacher=None) -> nn
                          "be tabular or both be language models")
     if cfg.kind == "tabular":
         return _tabular_policy(cfg, teacher)
-    from klbench import models
-    path = _lm_path(cfg, outputs_dir)
+    from klbench import models  # transformers: imported only for a language model
+    path = _lm_path(cfg, cache_root)
     if teacher is not None:
-        ref_path, names = _lm_path(teacher, outputs_dir), ("student (model)", "teacher")
+        ref_path, names = _lm_path(teacher, cache_root), ("student (model)", "teacher")
     else:
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
@@ -148,10 +150,9 @@ def build_policy(cfg, max_new_tokens: int, outputs_dir: str, teacher=None) -> nn
     return LMPolicy(model, ref, tok, max_new_tokens)
 
 
-def _lm_path(cfg, outputs_dir: str) -> str:
-    from klbench import models
+def _lm_path(cfg, cache_root: str | None) -> str:
     if cfg.kind == "embedded":
-        return models.ensure_embedded_lm(embedded_spec(cfg.preset, cfg.spec), outputs_dir)
+        return ensure_embedded_lm(preset_spec(cfg.preset, cfg.spec), cache_root)
     if cfg.kind == "hf":
         return cfg.name_or_path
     raise ValueError(f"model.kind must be tabular, embedded or hf; got {cfg.kind!r}")
@@ -168,16 +169,3 @@ def _tabular_policy(cfg, teacher) -> "TabularPolicy":
         start = TabularModel(cfg.K, cfg.T, eos=cfg.eos, seed=cfg.ref_seed, ref_scale=cfg.ref_scale).ref_logits
     return TabularPolicy(table, start)
 
-
-def embedded_spec(preset: str, overrides) -> dict:
-    """A preset spec of klbench.models with `model.spec.*` overrides; unknown keys are errors, not ignored."""
-    from klbench import models
-    presets = {"reference": models.DEFAULT_REFERENCE_SPEC, "teacher": models.DEFAULT_TEACHER_SPEC,
-               "student": models.DEFAULT_STUDENT_SPEC}
-    if preset not in presets:
-        raise ValueError(f"model.preset={preset!r} is unknown; valid: {', '.join(presets)}")
-    overrides = {k: v for k, v in dict(overrides).items() if v is not None}
-    unknown = sorted(set(overrides) - set(presets[preset]))
-    if unknown:
-        raise ValueError(f"model.spec has unknown key(s) {unknown}; valid: {', '.join(sorted(presets[preset]))}")
-    return {**presets[preset], **overrides}

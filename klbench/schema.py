@@ -192,7 +192,7 @@ KL_CTLS = {"fixed": KLCtlFixed, "adaptive": KLCtlAdaptive}
 
 @dataclass
 class EmbeddedSpec:
-    """Overrides of the preset's spec (klbench.models.DEFAULT_REFERENCE_SPEC's keys); null keeps the preset's."""
+    """Overrides of the preset's spec (the keys of klbench.embedded.spec's presets); null keeps the preset's."""
     name: Optional[str] = limits(None, pattern=r"[A-Za-z0-9_.-]+")  # a cache directory name
     corpus_size: Optional[int] = limits(None, ge=1)
     corpus_seed: Optional[int] = None

@@ -92,7 +92,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         log.info("resuming from step %s of %s", payload.get("step"), ckpt_path)
     pl.seed_everything(cfg.seed, workers=True)
     t0 = time.time()
-    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs, cfg.get("teacher"))
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"))
     reward = build_reward(cfg.reward, policy)
     module = build_task(cfg, policy, reward)
     data = build_data(cfg, policy)

@@ -1,10 +1,20 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 # tests never reach a model hub: transformers must use local files only
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# tests never write to the user's cache (~/.cache/klbench) or to a record or run named in the environment:
+# the embedded models they build go to one cache for the session (a test may set its own KLBENCH_CACHE),
+# shared by every test and the `klbench` subprocesses they start
+os.environ["KLBENCH_CACHE"] = tempfile.mkdtemp(prefix="klbench-test-cache-")
+atexit.register(shutil.rmtree, os.environ["KLBENCH_CACHE"], ignore_errors=True)
+for _var in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID", "KLBENCH_RESUME_CKPT"):
+    os.environ.pop(_var, None)
 
 
 @pytest.fixture
@@ -18,8 +28,8 @@ def single_thread():
 
 
 def _save_tiny_lm(path, texts_seed: int, vocab_size: int, seed: int) -> str:
-    from klbench.corpus import generate_reviews
-    from klbench.models import build_gpt2, train_tokenizer
+    from klbench.embedded.build import build_gpt2, train_tokenizer
+    from klbench.embedded.corpus import generate_reviews
     tok = train_tokenizer(generate_reviews(300, seed=texts_seed), vocab_size)
     model = build_gpt2(len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64, seed=seed,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -4,10 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import open_dict
 
-import klbench.cli  # noqa: F401  (registers the klbench_root resolver)
+from klbench.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
@@ -15,14 +13,8 @@ GROUPS = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
 
 
 def compose_cfg(tmp_path, overrides=()):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="test"):
-        cfg = compose("config", overrides=list(overrides))
-    with open_dict(cfg):  # tests never write under the repo's outputs/
-        cfg.paths.outputs = str(tmp_path / "outputs")
-        cfg.paths.ckpt_dir = str(tmp_path / "run" / "checkpoints")
-        cfg.logger.tracking_uri = f"sqlite:///{tmp_path}/outputs/mlflow.db" if cfg.logger.kind == "mlflow" else None
-        cfg.logger.artifact_root = str(tmp_path / "outputs" / "mlartifacts") if cfg.logger.kind == "mlflow" else None
-    return cfg
+    """The tests' shorthand: `klbench <overrides>` with its outputs and run folders in tmp_path (never the repo's)."""
+    return compose(overrides, outputs=tmp_path / "outputs", run_dir=tmp_path / "run")
 
 
 def test_every_group_has_options():

@@ -63,7 +63,7 @@ def tiny_teacher_dir(tiny_lm_dir, tmp_path_factory):
     """tiny_lm_dir's tokenizer files with a differently initialised (and bigger) GPT-2 next to them."""
     from transformers import AutoTokenizer
 
-    from klbench.models import build_gpt2
+    from klbench.embedded.build import build_gpt2
     path = tmp_path_factory.mktemp("tiny_teacher")
     tok = AutoTokenizer.from_pretrained(tiny_lm_dir, local_files_only=True)
     model = build_gpt2(len(tok), n_embd=48, n_layer=2, n_head=2, n_positions=64, seed=7,
@@ -262,11 +262,8 @@ def test_cli_recomputes_from_an_experiment(tmp_path, synthetic_store, capsys):
                                              ("distill_estimators_tabular", "tabular")])
 def test_comparison_configs(experiment, kind):
     """Five estimators x three seeds at one step budget, the report callback, and no hydra.mode (users pass -m)."""
-    from hydra import compose, initialize_config_dir
-
-    from test_config import ROOT
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="test"):
-        cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    from klbench.compose import compose
+    cfg = compose([f"experiment={experiment}"], hydra=True)
     params = cfg.hydra.sweeper.params
     assert sorted(params.estimator.split(",")) == sorted(ESTIMATORS) and params.seed.split(",") == ["0", "1", "2"]
     assert cfg.hydra.mode is None and cfg.hydra.sweeper._target_.endswith("BasicSweeper")

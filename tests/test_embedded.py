@@ -7,10 +7,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub in tests
 import pytest
 import torch
 
-from klbench import models
-from klbench.corpus import embedded_prompts, generate_reviews
-from klbench.models import (check_same_vocab, embedded_lm_dir, ensure_embedded_lm, load_causal_lm,
-                            position_ids_from_mask, train_tokenizer)
+import klbench.embedded.cache as embedded_cache
+import klbench.embedded.spec as embedded_spec
+from klbench.embedded import embedded_lm_dir, ensure_embedded_lm
+from klbench.embedded.build import train_tokenizer
+from klbench.embedded.corpus import embedded_prompts, generate_reviews
+from klbench.models import check_same_vocab, load_causal_lm, position_ids_from_mask
 from klbench.rewards import HFClassifierReward, VaderReward
 
 # A spec small enough to pretrain in a couple of seconds: only the plumbing is under test.
@@ -95,7 +97,7 @@ def test_ensure_embedded_lm_reuses_cache(cache, monkeypatch):
         assert os.path.exists(os.path.join(path, f))
     stamp = os.path.getmtime(os.path.join(path, "config.json"))
 
-    import klbench.tasks.pretrain as pt
+    import klbench.embedded.pretrain as pt
 
     def must_not_run(*a, **k):
         raise AssertionError("cache was not reused")
@@ -132,7 +134,8 @@ def test_racing_builders_build_once(tmp_path):
             f.write("ok")
 
     results = []
-    threads = [threading.Thread(target=lambda: results.append(models._build_cached(final, build))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(embedded_cache.build_cached(final, build)))
+               for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -144,8 +147,51 @@ def test_racing_builders_build_once(tmp_path):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):  # a failed build leaves no directory behind
-        models._build_cached(str(tmp_path / "embedded" / "y-456"), crash)
+        embedded_cache.build_cached(str(tmp_path / "embedded" / "y-456"), crash)
     assert sorted(os.listdir(tmp_path / "embedded")) == [".locks", "x-123"]
+
+
+def test_cache_dir_is_per_user(monkeypatch, tmp_path):
+    """$KLBENCH_CACHE, else $XDG_CACHE_HOME/klbench, else ~/.cache/klbench; never the working directory."""
+    monkeypatch.setenv("KLBENCH_CACHE", str(tmp_path / "mine"))
+    assert embedded_cache.cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("KLBENCH_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert embedded_cache.cache_dir() == tmp_path / "xdg" / "klbench"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")  # the XDG spec ignores a relative path
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert embedded_cache.cache_dir() == tmp_path / "home" / ".cache" / "klbench"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert embedded_cache.cache_dir() == tmp_path / "home" / ".cache" / "klbench"
+
+
+def test_two_outputs_folders_share_one_cache(tmp_path):
+    """`klbench task=pretrain` started from two directories (two outputs folders): built once, in the
+    user's cache, saying so in one line; the second run reuses it and writes no model under its outputs."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("KLBENCH_OUTPUTS", "XDG_CACHE_HOME")}
+    env.update(KLBENCH_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    tiny = [f"model.spec.{k}={v}" for k, v in TINY.items()]
+    runs = []
+    for where in ("a", "b"):
+        (tmp_path / where).mkdir()
+        proc = subprocess.run([sys.executable, "-m", "klbench.cli", "task=pretrain", *tiny], cwd=tmp_path / where,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(proc)
+    path = embedded_lm_dir(TINY, tmp_path / "cache")
+    building = [line for line in runs[0].stderr.splitlines() if "klbench: building" in line]
+    assert building == [f"klbench: building the embedded tiny LM (once per machine), cached in {path}"]
+    assert "klbench: building" not in runs[1].stderr  # the second outputs folder reuses the model
+    for proc in runs:
+        assert f"klbench: embedded tiny LM at {path}" in proc.stdout
+    tokenizer = embedded_cache.embedded_tokenizer_dir(TINY, tmp_path / "cache")
+    assert sorted(os.listdir(tmp_path / "cache" / "embedded")) == sorted(
+        [".locks", os.path.basename(path), os.path.basename(tokenizer)])
+    for where in ("a", "b"):
+        assert not (tmp_path / where / "outputs" / "embedded").exists()
 
 
 def test_unknown_spec_key_raises(tmp_path):
@@ -191,7 +237,7 @@ def test_check_same_vocab_raises(tok):
 def test_spec_hash_depends_on_spec_and_code_version(tmp_path, monkeypatch):
     a = embedded_lm_dir(TINY, str(tmp_path))
     assert embedded_lm_dir({**TINY, "lr": 2e-3}, str(tmp_path)) != a
-    monkeypatch.setattr(models, "EMBEDDED_CODE_VERSION", models.EMBEDDED_CODE_VERSION + 1)
+    monkeypatch.setattr(embedded_spec, "EMBEDDED_CODE_VERSION", embedded_spec.EMBEDDED_CODE_VERSION + 1)
     assert embedded_lm_dir(TINY, str(tmp_path)) != a
 
 

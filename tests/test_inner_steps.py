@@ -37,7 +37,7 @@ def _module(tmp_path, overrides):
     from klbench.rewards import build_reward
     from klbench.tasks import build_task
     cfg = compose_cfg(tmp_path, TABULAR + ["logger=none", "task.log_every=1000"] + overrides)
-    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs)
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache)
     with torch.no_grad():
         policy.theta.add_(torch.randn(policy.theta.shape, generator=torch.Generator().manual_seed(3),
                                       dtype=policy.theta.dtype))

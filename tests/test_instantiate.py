@@ -41,7 +41,7 @@ def model_overrides(option, tiny_lm_dir):
 def test_model_options_build(tmp_path, option, tiny_lm_dir):
     cfg = compose_cfg(tmp_path, model_overrides(option, tiny_lm_dir))
     check_config(cfg)
-    policy = build_policy(cfg.model, 4, cfg.paths.outputs)
+    policy = build_policy(cfg.model, 4, cfg.paths.cache)
     assert isinstance(policy, TabularPolicy if option == "tabular" else LMPolicy)
     ro = policy.rollout(["The movie", "I watched"], 2)
     batch = policy.score(ro)
@@ -79,7 +79,7 @@ def test_reward_options_build(tmp_path, option, tiny_classifier_dir):
     cfg = compose_cfg(tmp_path, over)
     policy = TabularPolicy.__new__(TabularPolicy)
     if option == "tabular":
-        policy = build_policy(cfg.model, 4, cfg.paths.outputs)
+        policy = build_policy(cfg.model, 4, cfg.paths.cache)
     reward = build_reward(cfg.reward, policy)
     if option == "none":
         assert reward is None
@@ -121,6 +121,6 @@ def test_task_options_build(tmp_path, option):
         metrics = run_task(cfg)
         assert metrics["steps"] == 3 and metrics["heldout_loss"] > 0
         return
-    policy = build_policy(cfg.model, 4, cfg.paths.outputs, cfg.get("teacher"))
+    policy = build_policy(cfg.model, 4, cfg.paths.cache, cfg.get("teacher"))
     module = build_task(cfg, policy, build_reward(cfg.reward, policy))
     assert module.beta == cfg.estimator.beta and module.estimator.name == cfg.estimator.name

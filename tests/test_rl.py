@@ -48,7 +48,7 @@ def test_tabular_val_seq_kl_is_exact(tmp_path):
     from klbench.tasks import build_task
     from klbench.train import build_data
     cfg = compose_cfg(tmp_path, TABULAR + ["logger=none"])
-    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs)
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache)
     with torch.no_grad():
         policy.theta.add_(torch.randn_like(policy.theta))
     module = build_task(cfg, policy, build_reward(cfg.reward, policy))

@@ -239,8 +239,8 @@ def test_estimator_option_checks_match_the_registry(tmp_path, key, values):
 
 
 def test_embedded_spec_mirrors_the_models_spec():
-    from klbench import models
-    assert [f.name for f in fields(EmbeddedSpec)] == list(models.DEFAULT_REFERENCE_SPEC)
+    from klbench.embedded import DEFAULT_REFERENCE_SPEC
+    assert [f.name for f in fields(EmbeddedSpec)] == list(DEFAULT_REFERENCE_SPEC)
 
 
 def test_validate_imports_nothing_heavy(tmp_path):

@@ -6,26 +6,15 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 
+from klbench.compose import compose
 from klbench.schema import ConfigError, validate
-from test_config import ROOT
 
 MLFLOW, OPTUNA = "http://mlflow.example:5000", "postgresql+psycopg://klbench@db.example/klbench"
 
 
-def composed(monkeypatch, tmp_path, *overrides):
-    monkeypatch.setenv("KLBENCH_OUTPUTS", str(tmp_path / "outputs"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="test"):
-        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    return cfg
-
-
-def test_local_store_is_sqlite_in_outputs(monkeypatch, tmp_path):
-    cfg = composed(monkeypatch, tmp_path, "sweep=rl_beta")
+def test_local_store_is_sqlite_in_outputs(tmp_path):
+    cfg = compose(["sweep=rl_beta"], outputs=tmp_path / "outputs", hydra=True)
     out = tmp_path / "outputs"
     assert cfg.logger.tracking_uri == f"sqlite:///{out}/mlflow.db"
     assert cfg.logger.artifact_root == f"{out}/mlartifacts"
@@ -35,7 +24,7 @@ def test_local_store_is_sqlite_in_outputs(monkeypatch, tmp_path):
 def test_server_store_switches_both(monkeypatch, tmp_path):
     monkeypatch.setenv("KLBENCH_MLFLOW_URI", MLFLOW)
     monkeypatch.setenv("KLBENCH_OPTUNA_STORAGE", OPTUNA)
-    cfg = composed(monkeypatch, tmp_path, "sweep=rl_beta", "store=server")
+    cfg = compose(["sweep=rl_beta", "store=server"], outputs=tmp_path / "outputs", hydra=True)
     validate(cfg)
     assert cfg.logger.tracking_uri == MLFLOW and cfg.logger.artifact_root is None  # the server keeps artifacts
     assert cfg.hydra.sweeper.storage == OPTUNA
@@ -50,7 +39,7 @@ def test_server_store_switches_both(monkeypatch, tmp_path):
 def test_server_store_needs_its_urls(monkeypatch, tmp_path, overrides, field):
     monkeypatch.delenv("KLBENCH_MLFLOW_URI", raising=False)
     monkeypatch.delenv("KLBENCH_OPTUNA_STORAGE", raising=False)
-    cfg = composed(monkeypatch, tmp_path, "store=server", *overrides)
+    cfg = compose(["store=server", *overrides], outputs=tmp_path / "outputs", hydra=True)
     with pytest.raises(ConfigError, match=rf"^{field} must be"):
         validate(cfg)
 

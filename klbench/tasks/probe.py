@@ -75,7 +75,7 @@ def run_task(cfg: DictConfig) -> dict[str, float]:
     if ckpt_path is not None:
         resume.load_payload(ckpt_path)  # not a klbench checkpoint: refused before anything is built or logged
     torch.manual_seed(cfg.seed)
-    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.outputs, cfg.get("teacher"))
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"))
     if cfg.hardware.accelerator in ("gpu", "cuda"):
         policy = policy.to("cuda")
     step = load_policy_weights(policy, ckpt_path, cfg) if ckpt_path else 0

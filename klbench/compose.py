@@ -1,0 +1,42 @@
+"""The config a `klbench` command line runs with, composed outside a run: for tests and docs scripts.
+
+    compose(overrides=(), outputs=None, run_dir=None, hydra=False) -> DictConfig
+
+The one place, besides the `klbench` entry point itself, that sets Hydra up.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+from klbench.cli import ROOT  # importing the CLI registers the klbench_* resolvers that conf/ uses
+
+
+def compose(overrides=(), outputs: str | Path | None = None, run_dir: str | Path | None = None,
+            hydra: bool = False) -> DictConfig:
+    """conf/config.yaml with `overrides` (strings as on the command line), as `klbench` composes it.
+
+    outputs: a folder in place of paths.outputs ($KLBENCH_OUTPUTS or ./outputs), so that the MLflow
+        and Optuna stores and the artifacts that follow it land there (unless $MLFLOW_TRACKING_URI is
+        set).
+    run_dir: the run folder, in place of Hydra's, which exists only in a run: paths.ckpt_dir becomes
+        <run_dir>/checkpoints (default with `outputs`: <outputs>/run).
+    hydra: keep the `hydra` node and make it the current HydraConfig, as a run does, so that
+        ${hydra:...} interpolations and the sweeper and launcher settings can be read.
+    """
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="klbench"):
+        cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
+    if run_dir is None and outputs is not None:
+        run_dir = Path(outputs) / "run"
+    with open_dict(cfg):
+        if outputs is not None:
+            cfg.paths.outputs = str(Path(outputs).resolve())
+        if run_dir is not None:
+            cfg.paths.ckpt_dir = str(Path(run_dir).resolve() / "checkpoints")
+    if hydra:
+        HydraConfig.instance().set_config(cfg)
+    return cfg

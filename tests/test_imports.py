@@ -1,0 +1,143 @@
+"""klbench's import graph has no circles.
+
+The graph is read from the source with `ast`, so nothing is imported. An edge A -> B means A imports B,
+or a name from B. Importing klbench.x.y also runs klbench/x/__init__.py, so A -> klbench.x.y brings
+A -> klbench.x too, unless A lives inside klbench.x (its own package is set up before it).
+
+Two graphs are checked:
+- at import time (imports outside function bodies): must have no circle at all; a circle here runs one
+  module's body while the other is half set up, and the error depends on which is imported first.
+- every import, those inside functions too: a function-level import is how a run imports only what it
+  needs (transformers, Lightning, MLflow) when it needs it, but it must follow the same direction as the
+  rest (cli -> train -> tasks -> policies -> estimators). The circle that models.py, tasks/pretrain.py and
+  policies.py made went mostly through such imports, so they are checked too. LAZY_CIRCLES lists the
+  edges that still close a circle, each with the change that removes it; an entry that no longer exists
+  fails the test, so the list only shrinks.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "klbench"
+
+# (importer, imported): why the edge is there and what removes it
+LAZY_CIRCLES = {
+    ("klbench.tasks.offpolicy", "klbench.tasks.rl"):
+        "offpolicy.py borrows rl.py's rloo_advantage; issue 10's single leave-one-out baseline removes it",
+    ("klbench.tasks.probe", "klbench.train"):
+        "tasks/probe.py borrows train.py's TABULAR_PROMPT and resolve_ckpt; issue 10's policy interface "
+        "(tabular special cases in one place) removes it",
+}
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _imports(tree: ast.AST, in_function: bool = False):
+    """(imported node, inside a function body?) for every import statement under `tree`."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, in_function
+        yield from _imports(node, in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                    ast.Lambda)))
+
+
+def _targets(node, module: str, is_package: bool, names) -> set[str]:
+    """The klbench modules an import statement names (a `from x import y` names x.y when y is a module)."""
+    if isinstance(node, ast.Import):
+        found = {alias.name for alias in node.names}
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the importer's package, one level up per extra dot
+            package = module.split(".") if is_package else module.split(".")[:-1]
+            package = package[:len(package) - (node.level - 1)]
+            base = ".".join(package + ([base] if base else []))
+        found = {f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names}
+    targets = set()
+    for name in found:
+        while name and name not in names:  # `import klbench.x.y.z` where z is a name, not a module
+            name = name.rpartition(".")[0]
+        if name:
+            targets.add(name)
+    return targets
+
+
+def import_graph(include_functions: bool) -> dict[str, set[str]]:
+    names = module_names()
+    graph = {}
+    for module, path in names.items():
+        edges = set()
+        for node, in_function in _imports(ast.parse(path.read_text(), str(path))):
+            if in_function and not include_functions:
+                continue
+            for target in _targets(node, module, path.name == "__init__.py", names):
+                parts = target.split(".")
+                for i in range(2, len(parts) + 1):  # the target and the packages set up on the way to it
+                    step = ".".join(parts[:i])
+                    if step != module and not module.startswith(step + "."):
+                        edges.add(step)
+        graph[module] = edges
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each back edge of a depth-first search: empty iff the graph has no circle."""
+    found, state, stack = [], {}, []
+
+    def visit(u):
+        state[u] = "open"
+        stack.append(u)
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == "open":
+                found.append(stack[stack.index(v):] + [v])
+            elif v not in state:
+                visit(v)
+        stack.pop()
+        state[u] = "done"
+
+    for u in sorted(graph):
+        if u not in state:
+            visit(u)
+    return found
+
+
+def test_the_graph_reader_sees_imports_and_circles():
+    graph = import_graph(include_functions=True)
+    assert "klbench.embedded.cache" in graph["klbench.cli"]  # a module-level `from klbench.x.y import z`
+    assert "klbench.embedded" in graph["klbench.cli"]  # ... which sets up klbench/embedded/__init__.py first
+    assert "klbench.embedded.pretrain" in graph["klbench.embedded.cache"]  # a function-level import
+    assert "klbench.embedded.pretrain" not in import_graph(include_functions=False)["klbench.embedded.cache"]
+    assert "klbench.embedded" not in graph["klbench.embedded.cache"]  # its own package is not an edge
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_circle_at_import_time():
+    found = circles(import_graph(include_functions=False))
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_no_circle_with_function_level_imports():
+    graph = import_graph(include_functions=True)
+    missing = [edge for edge in LAZY_CIRCLES if edge[1] not in graph.get(edge[0], ())]
+    assert not missing, f"these edges are gone: remove them from LAZY_CIRCLES: {missing}"
+    for importer, imported in LAZY_CIRCLES:
+        graph[importer].discard(imported)
+    found = circles(graph)
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_embedded_circle_is_gone():
+    """models.py only loads Hugging Face models; klbench.embedded builds the embedded one and needs
+    nothing from the code that uses it."""
+    graph = import_graph(include_functions=True)
+    assert not graph["klbench.models"]
+    users = {"klbench.models", "klbench.policies", "klbench.train", "klbench.tasks", "klbench.cli"}
+    for module in (m for m in graph if m.startswith("klbench.embedded")):
+        assert not graph[module] & users, (module, graph[module] & users)
