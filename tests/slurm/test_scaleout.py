@@ -165,7 +165,8 @@ def test_trial_over_its_time_limit_is_requeued_until_done(slurm_cluster, tmp_pat
     45 s into an attempt and the kill 30 s later at the earliest; submitit requeues in between. The trial
     needs several attempts. A second sweep with max_num_timeout=0 gets no second attempt and ends failed,
     not finished."""
-    steps, every = 6000, 500
+    # checkpoints every 250 steps (a few seconds), so that an attempt on a slow machine still gets past one
+    steps, every = 6000, 250
     task = [f"task.max_steps={steps}", f"task.val_every={every}"]
     limit = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=45"]
     a, b = tmp_path / "a" / "outputs", tmp_path / "b" / "outputs"
