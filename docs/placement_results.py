@@ -3,7 +3,7 @@
     python docs/placement_results.py lm --tracking-uri sqlite:////tmp/kl12/lm/mlflow.db --experiment issue12-lm \
         --out docs/img/placement_lm.png
     python docs/placement_results.py tabular --tracking-uri sqlite:////tmp/kl12/tab/mlflow.db \
-        --experiment sweep-kl_placement-tabular
+        --experiment sweep-kl_placement-tabular --out docs/img/placement_tabular.png
 
 lm: per (estimator cell, task.inner_steps), over seeds: final val/reward and val/seq_kl (mean and the range),
 the step-to-step variability of train/grad_norm (std of the logged values, every task.log_every steps, and
@@ -81,13 +81,14 @@ def lm(client, experiment: str, out: str | None) -> None:
         import matplotlib.pyplot as plt
         cells = sorted({p[0] for p in points})
         colors = dict(zip(cells, plt.cm.tab10.colors))
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
         for cell, k, kl, rew in points:
             ax.scatter(kl, rew, color=colors[cell], marker="o" if k == 1 else "^", s=40,
                        label=f"{cell}, inner_steps={k}")
         handles, labels = ax.get_legend_handles_labels()
         uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=7, ncol=2)
+        ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+        ax.set_xscale("log")
         ax.set_xlabel("final val/seq_kl: KL(pi || pi_ref) per sequence [nats] (rb estimate)")
         ax.set_ylabel("final val/reward (VADER)")
         ax.set_title("Embedded LM, 120 steps, beta 0.05: o inner_steps=1, ^ inner_steps=4")
@@ -96,7 +97,7 @@ def lm(client, experiment: str, out: str | None) -> None:
         print(f"wrote {out}")
 
 
-def tabular(client, experiment: str) -> None:
+def tabular(client, experiment: str, out: str | None = None) -> None:
     groups: dict[tuple[str, int], list] = defaultdict(list)
     for r in _runs(client, experiment):
         if r.info.status == "FINISHED" and "val/frontier_gap" in r.data.metrics:
@@ -109,6 +110,34 @@ def tabular(client, experiment: str) -> None:
         assert all(math.isfinite(v) for v in m.values())
         print(f"| {cell} | {k} | {len(runs)} | {m['val/seq_kl']:.3f} | {m['val/kl_ref_pi']:.3f} | "
               f"{m['val/reward']:.3f} | {m['val/frontier_gap']:.4f} |")
+    if out:
+        import sys
+        from pathlib import Path
+
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        sys.path.insert(0, str(Path(__file__).parent))
+        from sweep_figures import tabular_frontier  # the exact frontier, built as the sweep callback builds it
+        frontier = tabular_frontier()
+        cells = sorted({c for c, _ in groups})
+        colors = dict(zip(cells, plt.cm.tab10.colors))
+        ks = sorted({k for _, k in groups})
+        fig, axes = plt.subplots(1, len(ks), figsize=(5.5 * len(ks), 4.2), sharey=True, squeeze=False)
+        for ax, k in zip(axes[0], ks):
+            ax.plot(frontier.kls, frontier.rewards, "k--", lw=1, label="exact frontier")
+            for (cell, kk), runs in sorted(groups.items()):
+                if kk == k:
+                    ax.scatter([r.data.metrics["val/seq_kl"] for r in runs], [r.data.metrics["val/reward"] for r in runs],
+                               color=colors[cell], s=30, label=cell)
+            ax.set_xlim(0, 1.1 * max(r.data.metrics["val/seq_kl"] for rs in groups.values() for r in rs))
+            ax.set_title(f"tabular, inner_steps={k}")
+            ax.set_xlabel("exact KL(pi || pi_ref) [nats]")
+        axes[0][0].set_ylabel("exact reward")
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        print(f"wrote {out}")
 
 
 def main() -> None:
@@ -119,7 +148,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="lm: where to write the reward-vs-KL figure")
     a = p.parse_args()
     client = mlflow.MlflowClient(a.tracking_uri)
-    lm(client, a.experiment, a.out) if a.kind == "lm" else tabular(client, a.experiment)
+    lm(client, a.experiment, a.out) if a.kind == "lm" else tabular(client, a.experiment, a.out)
 
 
 if __name__ == "__main__":
