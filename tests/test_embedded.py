@@ -151,6 +151,31 @@ def test_racing_builders_build_once(tmp_path):
     assert sorted(os.listdir(tmp_path / "embedded")) == [".locks", "x-123"]
 
 
+def test_a_builder_that_waits_says_so(tmp_path, capsys):
+    """While another process holds the build lock, a builder says in one line that it waits, then builds."""
+    import fcntl
+    import threading
+
+    final = str(tmp_path / "embedded" / "z-789")
+    os.makedirs(tmp_path / "embedded" / ".locks")
+    results = []
+    with open(tmp_path / "embedded" / ".locks" / "z-789.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the other process, mid-build
+        thread = threading.Thread(target=lambda: results.append(
+            embedded_cache.build_cached(final, lambda tmp: None, what="the embedded z LM")))
+        thread.start()
+        err, deadline = "", time.time() + 30
+        while "waiting" not in err and time.time() < deadline:
+            time.sleep(0.05)
+            err += capsys.readouterr().err
+        fcntl.flock(held, fcntl.LOCK_UN)
+    thread.join()
+    err += capsys.readouterr().err
+    assert err.splitlines() == [f"klbench: waiting for another process that is building {final}",
+                                f"klbench: building the embedded z LM (once per machine), cached in {final}"]
+    assert results == [True] and os.path.isdir(final)
+
+
 def test_cache_dir_is_per_user(monkeypatch, tmp_path):
     """$KLBENCH_CACHE, else $XDG_CACHE_HOME/klbench, else ~/.cache/klbench; never the working directory."""
     monkeypatch.setenv("KLBENCH_CACHE", str(tmp_path / "mine"))
