@@ -9,6 +9,7 @@ callback and the CLI both call these functions, and `mlflow` / `matplotlib` load
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import sys
@@ -363,7 +364,8 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
 
 # Differ between the runs of one comparison without changing what they measure: the swept estimator
 # and its options, the seed, and bookkeeping (where the run wrote, how it was logged, how it resumed).
-NOT_COMPARED = ("estimator", "seed", "logger", "paths", "ckpt_path", "ckpt_allow_changes", "optimized_metrics")
+NOT_COMPARED = ("estimator", "seed", "logger", "paths", "ckpt_path", "ckpt_allow_changes", "optimized_metrics",
+                "task.probe_every", "task.probe")  # the probe measures at validations, on its own RNG stream
 
 
 def _compared(key: str, vary: Sequence[str]) -> bool:
@@ -391,16 +393,18 @@ def describe_groups(groups: list[tuple[dict[str, str], list[dict]]]) -> str:
 
 
 def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: Frontier | None = None,
-               ref_point: tuple[float, float] | None = None, n_boot: int = 1000) -> dict:
+               ref_point: tuple[float, float] | None = None, n_boot: int = 1000,
+               out_dir: str | Path | None = None) -> dict:
     """Logs pareto.png, pareto.csv and the pareto/* metrics to `run_id` (a sweep's parent run); returns
-    the summary (n_points, n_frontier, share, counts, hypervolume, ref_point, n_outside_ref)."""
+    the summary (n_points, n_frontier, share, counts, hypervolume, ref_point, n_outside_ref).
+    With `out_dir` (a sweep's folder), the two files are also kept there."""
     from mlflow.entities import Metric
 
     recs, summary = summarize(points, ref_point, n_boot=n_boot)
     if not recs:
         raise ValueError(f"no usable runs to put on a Pareto plot for run {run_id}")
     title = f"Pareto frontier of run {client.get_run(run_id).info.run_name}"
-    with tempfile.TemporaryDirectory() as tmp:
+    with (contextlib.nullcontext(str(out_dir)) if out_dir is not None else tempfile.TemporaryDirectory()) as tmp:
         client.log_artifact(run_id, str(plot_pareto(recs, Path(tmp, "pareto.png"), exact_frontier, title,
                                                     summary["ref_point"])))
         client.log_artifact(run_id, str(write_csv(recs, Path(tmp, "pareto.csv"))))

@@ -173,7 +173,7 @@ def ci(samples: torch.Tensor, level: float, point: float | None = None, truth: f
     """Bias-corrected percentile interval from bootstrap samples [B] of a statistic whose estimate is `point`.
 
     `truth` is the statistic's value in the bootstrap world (computed on the empirical distribution itself,
-    e.g. the plug-in ||mean||^2 for the debiased squared norm): b = mean(samples) - truth estimates the
+    e.g. the plug-in ||mean||^2 for the debiased squared norm): b = centre(samples) - truth estimates the
     estimator's bias, and the interval is the percentile interval moved to sit around point - b. Without
     that shift a debiased squared norm's interval sits trace/R too high (a zero-mean gradient's interval
     would exclude zero) and a debiased cosine's O(1/R) bias above 1 is not undone. Non-finite samples (a
@@ -185,16 +185,35 @@ def ci(samples: torch.Tensor, level: float, point: float | None = None, truth: f
     q = torch.quantile(s, torch.tensor([a, 1 - a], dtype=s.dtype))
     shift = 0.0
     if point is not None and math.isfinite(point):
-        m = float(s.mean())
+        # the bootstrap distribution's centre: a 5%-trimmed mean, so that a few resamples that drew one extreme
+        # replicate several times (heavy-tailed estimators) do not move the interval off its estimate
+        cut = int(0.05 * s.numel())
+        m = float(s.sort().values[cut: s.numel() - cut].mean())
         bias = m - truth if truth is not None and math.isfinite(truth) else 0.0
         shift = m - point + bias
     return float(q[0]) - shift, float(q[1]) - shift
 
 
+def basic_ci(samples: torch.Tensor, level: float, point: float, truth: float) -> tuple[float, float]:
+    """The basic (reflected) bootstrap interval [point - (q_hi - truth), point - (q_lo - truth)]: right where the
+    estimate's error has the resamples' skewed shape around the truth, as the debiased squared norm of a
+    zero-mean gradient does (a centred chi-square); the percentile interval would put its skew on the wrong side."""
+    s = samples[torch.isfinite(samples)]
+    if s.numel() < max(2, samples.numel() // 2) or not math.isfinite(point):
+        return float("nan"), float("nan")
+    a = (1 - level) / 2
+    q = torch.quantile(s, torch.tensor([a, 1 - a], dtype=s.dtype))
+    return point - (float(q[1]) - truth), point - (float(q[0]) - truth)
+
+
+REFLECTED = {"mean_norm_sq"}  # statistics whose CI is the basic interval (see basic_ci)
+
+
 def _fill(row: dict, key: str, v: torch.Tensor, level: float) -> None:
     """row[key], row[key_lo], row[key_hi] from [B + 2] (point, B bootstrap samples, bootstrap-world truth)."""
     row[key] = float(v[0])
-    row[key + "_lo"], row[key + "_hi"] = ci(v[1:-1], level, float(v[0]), float(v[-1]))
+    interval = basic_ci if key in REFLECTED else ci
+    row[key + "_lo"], row[key + "_hi"] = interval(v[1:-1], level, float(v[0]), float(v[-1]))
 
 
 def _ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

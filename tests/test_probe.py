@@ -237,3 +237,64 @@ def test_frontier_share_ci():
     assert summary["share_ci"] == ci
     for lab, (lo, hi) in ci.items():
         assert 0 <= lo < summary["share"][lab] < hi <= 1, (lab, lo, hi)
+
+
+def test_probe_task_reads_a_runs_checkpoint(tmp_path, single_thread):
+    """task=probe ckpt_path=<a run's last.ckpt>: the run's policy against its pi_ref; another model's is refused."""
+    from klbench.resume import ResumeError
+    from klbench.train import run
+    rl = compose_cfg(tmp_path / "rl", ["experiment=tabular", "task.max_steps=2", "task.val_every=2", "logger=none"])
+    run(rl)
+    ckpt = f"{rl.paths.ckpt_dir}/last.ckpt"
+    small = ["task.prompts=1", "task.samples=2", "task.grad_samples=2", "task.replicates=4", "task.bootstrap=20",
+             "logger=none"]
+    out = run(compose_cfg(tmp_path / "p", ["task=probe", "model=tabular", "reward=tabular", f"ckpt_path={ckpt}"]
+                          + small))
+    theta = torch.load(ckpt, weights_only=True)["state_dict"]["policy.theta"]
+    policy = TabularPolicy(TabularModel(4, 4, eos=0, seed=0), theta)
+    assert math.isclose(out["kl_reference"], float(policy.table.kl_pi_ref(theta)), rel_tol=1e-12)  # exact
+    with pytest.raises(ResumeError, match="model.K"):
+        run(compose_cfg(tmp_path / "q", ["task=probe", "model=tabular", "model.K=3", "reward=tabular",
+                                         f"ckpt_path={ckpt}"] + small))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_lm_dir, tmp_path_factory):
+    """tiny_lm_dir as pi_ref and a differently initialised copy (same tokenizer) as pi."""
+    from transformers import AutoTokenizer
+
+    from klbench.embedded.build import build_gpt2
+    path = tmp_path_factory.mktemp("tiny_pi")
+    tok = AutoTokenizer.from_pretrained(tiny_lm_dir, local_files_only=True)
+    model = build_gpt2(len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64, seed=3,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():  # a freshly initialised LM is near uniform: sharpen it so that KL(pi || pi_ref) is large
+        model.get_output_embeddings().weight.mul_(6)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path), tiny_lm_dir
+
+
+@pytest.mark.slow
+def test_probe_on_a_tiny_hf_lm_pair(tmp_path, single_thread, tiny_pair):
+    """model=hf: references from samples (rb; -grad log pi on pi_ref's samples). naive_mc's mean gradient is
+    zero within its CI; naive_cv at sequence level points along grad kl_ref_pi, not grad kl_pi_ref."""
+    from klbench.train import run
+    pi, ref = tiny_pair
+    cfg = compose_cfg(tmp_path, ["task=probe", "model=hf", f"model.name_or_path={pi}",
+                                 f"model.ref_name_or_path={ref}", "reward=none", "task.prompts=4", "task.samples=16",
+                                 "task.grad_samples=16", "task.replicates=150", "task.ref_batches=16",
+                                 "task.ref_samples=32", "task.max_new_tokens=6", "task.bootstrap=500", "logger=none"])
+    out = run(cfg)
+    assert out["kl_reference"] > 0.5
+    import csv
+    folder = tmp_path / "run"
+    grads = {r["estimator"]: {k: float(v) for k, v in r.items() if k != "estimator"}
+             for r in csv.DictReader(open(folder / "probe_gradients.csv"))}
+    assert grads["naive_mc"]["mean_norm_sq_lo"] <= 0 <= grads["naive_mc"]["mean_norm_sq_hi"]
+    cv = grads["naive_cv_seq"]
+    assert cv["cos_kl_ref_pi_lo"] <= 1 <= cv["cos_kl_ref_pi_hi"], cv
+    assert cv["cos_kl_pi_ref_hi"] < 1, cv
+    assert grads["rb"]["cos_kl_pi_ref_lo"] <= 1 <= grads["rb"]["cos_kl_pi_ref_hi"], grads["rb"]
+    values = list(csv.DictReader(open(folder / "probe_values.csv")))
+    assert {r["estimator"] for r in values} >= {"mc", "k2", "k3", "cv_seq", "cv_opt", "rb"}
