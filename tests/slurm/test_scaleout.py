@@ -99,7 +99,7 @@ def assert_resumed_cleanly(c, run, max_steps: int, val_every: int) -> None:
         assert len(steps) == len(set(steps)), f"{key}: steps logged twice"
     val = [m.step for m in c.get_metric_history(rid, "val/reward")]
     assert val == list(range(0, max_steps + 1, val_every))
-    log = (Path(run.data.tags["klbench.run_dir"]) / "cli.log").read_text()
+    log = (Path(run.data.tags["klbench.run_dir"]) / "klbench.log").read_text()
     assert "resuming this trial from" in log
 
 
@@ -146,7 +146,7 @@ def test_preempted_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     c = client(out)
     (kid,) = kids(c, st.user_attrs["klbench.mlflow_parent_run_id"])
     assert_resumed_cleanly(c, kid, steps, every)
-    log = (Path(kid.data.tags["klbench.run_dir"]) / "cli.log").read_text()
+    log = (Path(kid.data.tags["klbench.run_dir"]) / "klbench.log").read_text()
     resumed_at = int(log.split("resuming from step ")[1].split()[0])
     attempts = sacct(job)
     print(f"preemption: signalled after the checkpoint at step {reached}, resumed from step {resumed_at}; "
@@ -171,7 +171,7 @@ def test_trial_over_its_time_limit_is_requeued_until_done(slurm_cluster, tmp_pat
     bounded = klbench(b, "-m", "sweep=rl_beta", *TAB, *task, ONE_BETA, "hydra.sweeper.n_trials=1", *SLURM,
                       *limit, "hydra.launcher.max_num_timeout=0", background=True)
     klbench(a, "-m", "sweep=rl_beta", *TAB, *task, ONE_BETA, "hydra.sweeper.n_trials=1", *SLURM, *limit,
-            "hydra.launcher.max_num_timeout=12", timeout=1500)
+            "hydra.launcher.max_num_timeout=30", timeout=2400)
     st = study(a, "klbench-rl_beta-rb-tabular")
     assert states(st) == ["COMPLETE"]
     c = client(a)
@@ -179,7 +179,7 @@ def test_trial_over_its_time_limit_is_requeued_until_done(slurm_cluster, tmp_pat
     assert_resumed_cleanly(c, kid, steps, every)
     attempts = sacct(kid.data.tags["klbench.slurm_job"])
     print(f"time limit: {len(attempts)} attempts {[x['state'] for x in attempts]}")
-    assert 2 <= len(attempts) <= 13 and attempts[-1]["state"] == "COMPLETED"
+    assert 2 <= len(attempts) <= 31 and attempts[-1]["state"] == "COMPLETED"
 
     bounded.wait(timeout=300)  # its one trial failing, the plugin ends the sweep with an error
     st = study(b, "klbench-rl_beta-rb-tabular")
