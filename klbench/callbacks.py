@@ -46,6 +46,8 @@ class SweepTracking(Callback):
     # ---- sweeper side ----
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from klbench import console
+        console.quiet_sweeper()  # its unlabelled result lines; on_multirun_end prints them labelled
         _tolerate_grid_stop()
         try:
             self._start(config)
@@ -95,7 +97,10 @@ class SweepTracking(Callback):
             client.set_terminated(self.parent_run_id, "FAILED")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        print_pareto_trials(sweep_dir, list(config.get("optimized_metrics") or ()))
         if self.parent_run_id is None:
+            _print_sweep_where(sweep_dir)
             return
         atexit.unregister(self._abandoned)
         from mlflow import MlflowClient
@@ -106,6 +111,7 @@ class SweepTracking(Callback):
             log.exception("could not summarise sweep run %s; marking it FAILED", self.parent_run_id)
             client.set_tag(self.parent_run_id, "klbench.error", traceback.format_exc(limit=0)[-5000:])
             client.set_terminated(self.parent_run_id, "FAILED")
+        _print_sweep_where(sweep_dir, client, self.parent_run_id, self.tracking_uri)
 
     def _finish(self, client, config: DictConfig) -> None:
         from klbench.pareto import collect_runs, describe_groups, format_table, group_runs, log_pareto
@@ -130,7 +136,7 @@ class SweepTracking(Callback):
             client.set_terminated(parent, "FAILED")
             return
         frontier = exact_frontier(config)
-        summary = log_pareto(client, parent, runs, exact_frontier=frontier)
+        summary = log_pareto(client, parent, runs, exact_frontier=frontier, out_dir=config.hydra.sweep.dir)
         if frontier is not None:
             _log_frontier_gaps(client, parent, runs, frontier)
         print(f"\nPareto frontier of sweep run {parent} ({runs.describe()}):\n{format_table(summary)}")
@@ -179,6 +185,42 @@ class SweepTracking(Callback):
             run_id = _record_failure(client, config, err, run_id)
         if run_id:
             client.set_tag(run_id, "klbench.run_dir", str(run_dir))
+
+
+# ---- what the sweep prints at its end ----
+
+def print_pareto_trials(sweep_dir: Path, metrics: list[str]) -> None:
+    """The Optuna study's Pareto-optimal trials, labelled: the sweeper plugin logs them as
+    `Values: [1.79, 4.35], Params: {...}` (silenced by klbench.console) and saves them in
+    optimization_results.yaml, read here."""
+    path = sweep_dir / "optimization_results.yaml"
+    if not path.is_file():  # not the Optuna sweeper, or it stopped before its end
+        return
+    solutions = OmegaConf.to_container(OmegaConf.load(path)).get("solutions")
+    if not solutions:  # a single objective: the plugin's own "Best value" lines say it
+        return
+    names = metrics if len(metrics) == len(solutions[0]["values"]) else \
+        [f"objective {i}" for i in range(len(solutions[0]["values"]))]
+    width = max(12, *(len(n) for n in names))
+    rows = sorted(solutions, key=lambda s: tuple(s["values"][1:]) + tuple(s["values"][:1]))
+    print(f"\nOptuna's Pareto-optimal trials of this sweep ({len(rows)}, by {names[-1]}):")
+    print("  ".join(f"{n:>{width}}" for n in names) + "  params")
+    for sol in rows:
+        params = " ".join(f"{k}={v}" for k, v in sol["params"].items())
+        print("  ".join(f"{v:>{width}.4f}" for v in sol["values"]) + f"  {params}")
+
+
+def _print_sweep_where(sweep_dir: Path, client=None, parent: str | None = None, tracking_uri: str = "") -> None:
+    from klbench import console
+    lines = [("sweep folder", str(sweep_dir))]
+    lines += [(name, str(sweep_dir / name)) for name in ("pareto.png", "pareto.csv") if (sweep_dir / name).is_file()]
+    if parent is not None:
+        info = client.get_run(parent).info
+        exp = client.get_experiment(info.experiment_id).name
+        lines.append(("MLflow run", f"{parent} ({info.run_name}, the sweep's parent run) in experiment {exp!r}"))
+        ui = console.mlflow_ui_lines(tracking_uri, info.experiment_id, parent)
+        lines += [("to see it" if i == 0 else "", line) for i, line in enumerate(ui)]
+    console.print_where(lines)
 
 
 # ---- the Optuna study: resume instead of duplicate ----

@@ -20,6 +20,9 @@ from klbench.embedded.cache import cache_dir
 ROOT = Path(__file__).resolve().parent.parent
 # conf/config.yaml puts ${klbench_root:}/sweeps on Hydra's search path wherever klbench is run from
 OmegaConf.register_resolver("klbench_root", lambda: str(ROOT), replace=True)
+# the sweep group's options, for `klbench --help` (conf/config.yaml, hydra.help.template)
+OmegaConf.register_resolver("klbench_sweeps", lambda: ", ".join(sorted(p.stem for p in (ROOT / "sweeps" / "sweep")
+                                                                      .glob("*.yaml"))), replace=True)
 # one place (klbench.store) decides where the record lives, for runs, sweeps and klbench-pareto alike
 OmegaConf.register_resolver("klbench_outputs", lambda: str(store.outputs_dir()), replace=True)
 OmegaConf.register_resolver("klbench_tracking_uri", store.tracking_uri, replace=True)

@@ -14,6 +14,8 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from klbench import console
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] positions counted from each row's first real token, as generate() does with left padding.
@@ -62,6 +64,7 @@ def resolve_pretrained(name_or_path: str, what: str = "model") -> tuple[str, dic
 
 def _from_pretrained(loader, name_or_path: str, what: str, **kwargs):
     name, extra = resolve_pretrained(name_or_path, what)
+    console.quiet_transformers()  # its "Loading weights" bar, at default verbosity
     try:
         return loader(name, **extra, **kwargs)
     except OSError as e:  # transformers raises OSError (or subclasses) for missing files / cache misses

@@ -7,12 +7,16 @@ import os
 import time
 import warnings
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from klbench import resume, tracking
+from klbench import lean
+
+with lean.lightning():  # without torchmetrics' transformers, scipy and matplotlib (klbench/lean.py)
+    import lightning.pytorch as pl
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+from klbench import console, progress, resume, tracking
 from klbench.policies import TabularPolicy, build_policy
 from klbench.rewards import build_reward
 from klbench.schema import validate
@@ -53,6 +57,8 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
     hw = cfg.hardware
     # last.ckpt after every validation, with the config and the metrics it makes durable
     ckpt = tracking.RecordCheckpoint(cfg.paths.ckpt_dir, OmegaConf.to_container(cfg, resolve=True))
+    # on a terminal, the step bar; redirected output (a sweep trial's log) gets none
+    bar = [progress.StepProgressBar()] if progress.wanted() else []
     plugins = []
     if SLURMEnvironment.detect():
         # ranks come from SLURM (srun tasks), but requeueing is submitit's: Lightning's own auto-requeue
@@ -60,7 +66,8 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
         plugins.append(SLURMEnvironment(auto_requeue=False))
     return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, strategy=hw.strategy, precision=hw.precision,
                       num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
-                      check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt], enable_checkpointing=False,
+                      check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt, *bar], enable_checkpointing=False,
+                      enable_progress_bar=bool(bar),
                       gradient_clip_val=cfg.task.get("grad_clip"), log_every_n_steps=1,
                       num_sanity_val_steps=0, enable_model_summary=False, deterministic=False)
 
@@ -76,6 +83,7 @@ def resolve_ckpt(cfg: DictConfig) -> str | None:
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train one run; returns the final validation metrics."""
+    console.setup()
     check_config(cfg)
     os.makedirs(cfg.paths.outputs, exist_ok=True)
     if cfg.task.name == "pretrain":
@@ -114,6 +122,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             tracking.log_samples(logger, module.sample_tables, cfg)
             _print_summary(before, after, trainer.global_step, time.time() - t0)
+            _print_where(cfg, logger)
         for key in ("val/reward", "val/seq_kl"):
             if not math.isfinite(after.get(key, float("nan"))):
                 raise FloatingPointError(f"{key} is {after.get(key)} after training: this run is not usable")
@@ -140,3 +149,18 @@ def _print_summary(before: dict | None, after: dict, step: int, seconds: float) 
     for k in keys:
         b = f"{before[k]:.4f}" if before and k in before else "-"
         print(f"{k:<22} {b:>16} {after[k]:>18.4f}")
+
+
+def _print_where(cfg: DictConfig, logger) -> None:
+    """The run's last lines: where its folder and its record are, and how to look at them."""
+    lines = [("run folder", os.path.abspath(os.path.dirname(cfg.paths.ckpt_dir)))]
+    if isinstance(logger, tracking.RecordLogger):
+        info = logger.client.get_run(logger.run_id).info
+        lines.append(("MLflow run", f"{info.run_id} ({info.run_name}) in experiment {logger.name!r}"))
+        ui = console.mlflow_ui_lines(cfg.logger.tracking_uri, info.experiment_id, info.run_id)
+        lines += [("to see it" if i == 0 else "", line) for i, line in enumerate(ui)]
+    elif logger:
+        lines.append(("metrics", os.path.join(logger.log_dir, "metrics.csv")))
+    else:
+        lines.append(("MLflow run", "none (logger=none)"))
+    console.print_where(lines)

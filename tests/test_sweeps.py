@@ -156,6 +156,14 @@ def test_local_sweep_end_to_end(outputs, local_sweep):
     assert {"pareto.png", "pareto.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     rows = list(csv.DictReader(open(client.download_artifacts(parent.info.run_id, "pareto.csv"))))
     assert {r["run_id"] for r in rows} == {k.info.run_id for k in kids}
+    # the sweep's end: Optuna's Pareto trials labelled, the plot and table in its folder, the parent run named
+    sweep_dir = Path(parent.data.tags["klbench.sweep.dir"]).resolve()
+    assert (sweep_dir / "pareto.png").stat().st_size > 0
+    assert list(csv.DictReader(open(sweep_dir / "pareto.csv"))) == rows
+    assert "Values: [" not in proc.stdout + proc.stderr and "  val/reward    val/seq_kl  params" in proc.stdout
+    assert f"klbench: sweep folder  {sweep_dir}\n" in proc.stdout
+    assert f"klbench: MLflow run    {parent.info.run_id} (" in proc.stdout
+    assert f"mlflow ui --backend-store-uri sqlite:///{outputs.resolve()}/mlflow.db" in proc.stdout
     assert parent.data.metrics["pareto/n_points"] == 2
     assert parent.data.metrics["pareto/frontier_gap/rb"] > -1e-6  # nothing beats the exact optimum
     assert all(Path(k.data.tags["klbench.run_dir"], "checkpoints", "last.ckpt").is_file() for k in kids)
@@ -276,7 +284,7 @@ def test_requeued_trial_resumes_from_its_checkpoint(outputs):
     assert steps[-1] == 12000 and len(steps) == len(set(steps))  # one run, no step logged twice
     train = [m.step for m in client.get_metric_history(kid.info.run_id, "train/kl_mc")]
     assert len(train) == len(set(train)) == 12000 // 5
-    log = (Path(kid.data.tags["klbench.run_dir"]) / "cli.log").read_text()
+    log = (Path(kid.data.tags["klbench.run_dir"]) / "klbench.log").read_text()
     assert "resuming this trial from" in log
 
 

@@ -131,9 +131,13 @@ def _pretrain(spec: dict, out_dir: str, progress: bool, tokenizer) -> dict:
                        spec["seed"], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=pad_id)
     module = CausalLMPretrain(model, lr=spec["lr"], steps=spec["steps"], warmup=max(1, spec["steps"] // 20))
+    from klbench import console
+    from klbench.progress import StepProgressBar, wanted
+    console.quiet_transformers()  # its "Writing model shards" bar, at default verbosity
+    bar = [StepProgressBar()] if progress and wanted() else []  # the step out of spec["steps"], and the loss
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["steps"], max_epochs=-1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=progress, enable_model_summary=False,
-                        gradient_clip_val=1.0, num_sanity_val_steps=0)
+                        enable_checkpointing=False, callbacks=bar, enable_progress_bar=bool(bar),
+                        enable_model_summary=False, gradient_clip_val=1.0, num_sanity_val_steps=0)
     t_fit = time.time()
     trainer.fit(module, loader)
     fit_s = time.time() - t_fit

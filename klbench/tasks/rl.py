@@ -50,6 +50,7 @@ class RLTask(pl.LightningModule):
         self.strict_loading = False  # the frozen reference is not checkpointed
         self.val_rows: list[dict] = []
         self.sample_tables: list[tuple[int, list[dict]]] = []
+        self.last_logged: dict[str, float] = {}  # the latest value of each train/ metric
         self.cached_rollout = None  # task.inner_steps > 1: the rollout the current steps reuse
 
     # ---- training ----
@@ -130,8 +131,11 @@ class RLTask(pl.LightningModule):
         values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=self.device).reshape(())
                               for k in keys])
         values = self.trainer.strategy.reduce(values, reduce_op="mean")
-        if self.trainer.is_global_zero and self.logger is not None:
-            self.logger.log_metrics(dict(zip(keys, values.tolist())), step=self.global_step)
+        if self.trainer.is_global_zero:
+            logged = dict(zip(keys, values.tolist()))
+            self.last_logged.update(logged)  # what the progress bar shows (klbench.progress)
+            if self.logger is not None:
+                self.logger.log_metrics(logged, step=self.global_step)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.policy.trainable(), lr=self.cfg["lr"], weight_decay=self.cfg["weight_decay"])

@@ -1,0 +1,111 @@
+"""What a newcomer meets on the console (docs/console.md): each Lightning message once, no library notices
+at default verbosity (KLBENCH_VERBOSE=1 brings them back), a run's last lines say where it is, `--help`
+lists the sweeps, and a tabular run without MLflow imports neither transformers nor MLflow.
+
+The sweep's end (labelled Pareto trials, pareto.png/csv in its folder) is checked in tests/test_sweeps.py.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from test_sweeps import cli_env
+
+from klbench import console
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["experiment=tabular", "task.max_steps=4", "task.val_every=2"]
+# the real CLI, reporting at exit which heavy packages the run imported
+REPORT_MODULES = """
+import atexit, sys
+atexit.register(lambda: print("MODULES", sorted(m for m in ("transformers", "mlflow", "scipy", "matplotlib")
+                                                 if m in sys.modules)))
+from klbench.cli import main
+main()
+"""
+
+
+def klbench(outputs: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", REPORT_MODULES, *overrides], cwd=outputs.parent,
+                          env=cli_env(outputs, **(env or {})), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def where(stdout: str) -> dict[str, str]:
+    """The run's last lines, `klbench: <label>  <value>`, by label."""
+    return {m[1].strip(): m[2] for m in re.finditer(r"^klbench: (run folder|MLflow run|to see it)\s+(.*)$",
+                                                    stdout, re.M)}
+
+
+def test_tabular_run_without_mlflow_is_quiet_and_lean(tmp_path):
+    outputs = tmp_path / "outputs"
+    proc = klbench(outputs, *TINY, "logger=none")
+    out = proc.stdout + proc.stderr
+    assert out.count("Seed set to 0") == 1, out  # Lightning's own handler and Hydra's both printed it
+    for notice in ("litlogger", "GPU available", "TPU available", "LeafSpec", "`srun` command", "`Trainer.fit` stopped"):
+        assert notice not in out, notice
+    assert "MODULES []" in proc.stdout  # no transformers, MLflow, scipy or matplotlib (klbench/lean.py)
+    run_dir = Path(where(proc.stdout)["run folder"])
+    assert run_dir.is_dir() and (run_dir / "klbench.log").is_file() and outputs in run_dir.parents
+    assert "Seed set to 0" in (run_dir / "klbench.log").read_text()
+
+
+def test_run_ends_with_where_its_record_is(tmp_path):
+    outputs = tmp_path / "outputs"
+    proc = klbench(outputs, *TINY)
+    lines = where(proc.stdout)
+    run_dir = Path(lines["run folder"])
+    run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
+    assert lines["MLflow run"].startswith(run_id) and "in experiment 'klbench'" in lines["MLflow run"]
+    assert lines["to see it"] == f"mlflow ui --backend-store-uri sqlite:///{outputs.resolve()}/mlflow.db"
+    assert f"#/experiments/1/runs/{run_id}" in proc.stdout
+    last = [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith("MODULES")][-1]
+    assert last.endswith(run_id)  # they are the run's last lines
+
+
+VERBOSITY = """
+import logging, sys, warnings
+logging.basicConfig(stream=sys.stdout, format="%(name)s: %(message)s", level=logging.INFO)
+from klbench import console
+console.setup()
+logging.getLogger("lightning.pytorch.utilities.rank_zero").info("GPU available: False, used: False")
+logging.getLogger("lightning.pytorch.utilities.rank_zero").info("a message klbench keeps")
+logging.getLogger("transformers.modeling_utils").warning("`loss_type=None` was set in the config but ...")
+warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning)
+warnings.warn("a warning klbench keeps", FutureWarning)
+"""
+
+
+def test_notices_are_silenced_by_message_and_come_back_with_klbench_verbose():
+    def run(verbose: str) -> str:
+        env = {"PATH": "/usr/bin:/bin", "KLBENCH_VERBOSE": verbose}
+        proc = subprocess.run([sys.executable, "-c", VERBOSITY], env=env, capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout + proc.stderr
+
+    quiet, loud = run(""), run("1")
+    for kept in ("a message klbench keeps", "a warning klbench keeps"):
+        assert kept in quiet and kept in loud
+    for silenced in ("GPU available", "loss_type=None", "LeafSpec"):
+        assert silenced not in quiet and silenced in loud
+
+
+def test_help_names_klbench_and_lists_the_sweeps():
+    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("klbench") and "cli is powered" not in proc.stdout
+    sweeps = sorted(p.stem for p in (ROOT / "sweeps" / "sweep").glob("*.yaml"))
+    assert f"sweep: {', '.join(sweeps)}" in proc.stdout
+
+
+def test_mlflow_ui_lines():
+    assert console.mlflow_ui_lines("sqlite:////o/mlflow.db", "3", "abc") == [
+        "mlflow ui --backend-store-uri sqlite:////o/mlflow.db", "then open http://127.0.0.1:5000/#/experiments/3/runs/abc"]
+    assert console.mlflow_ui_lines("http://mlflow-host:5000/", "3", None) == [
+        "open http://mlflow-host:5000/#/experiments/3"]
+    assert console.display_uri("postgresql://klbench:secret@db/klbench") == "postgresql://klbench:***@db/klbench"
