@@ -9,7 +9,8 @@ from klbench.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
-          for g in ("task", "estimator", "model", "dataset", "reward", "hardware", "logger", "store", "experiment")}
+          for g in ("task", "estimator", "kl_ctl", "model", "dataset", "reward", "hardware", "logger", "store",
+                    "experiment")}
 
 
 def compose_cfg(tmp_path, overrides=()):

@@ -235,9 +235,11 @@ def test_adaptive_on_a_language_model(tmp_path, tiny_lm_dir):
 
 def test_rl_target_kl_sweep_composes(tmp_path, monkeypatch):
     from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
-    from test_sweeps import compose_sweep
-    cfg = compose_sweep(["sweep=rl_target_kl", "experiment=tabular", "kl_ctl.signal=mc"], monkeypatch,
-                        tmp_path / "outputs")
+    from klbench.compose import compose
+    for var in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID", "KLBENCH_RESUME_CKPT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = compose(["sweep=rl_target_kl", "experiment=tabular", "kl_ctl.signal=mc"], outputs=tmp_path / "outputs",
+                  hydra=True)
     sw = cfg.hydra.sweeper
     assert cfg.kl_ctl.name == "adaptive" and cfg.kl_ctl.signal == "mc"
     assert sw.study_name == "klbench-rl_target_kl-rb-mc-tabular" and cfg.logger.experiment == "sweep-rl_target_kl-tabular"
