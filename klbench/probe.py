@@ -194,26 +194,10 @@ def ci(samples: torch.Tensor, level: float, point: float | None = None, truth: f
     return float(q[0]) - shift, float(q[1]) - shift
 
 
-def basic_ci(samples: torch.Tensor, level: float, point: float, truth: float) -> tuple[float, float]:
-    """The basic (reflected) bootstrap interval [point - (q_hi - truth), point - (q_lo - truth)]: right where the
-    estimate's error has the resamples' skewed shape around the truth, as the debiased squared norm of a
-    zero-mean gradient does (a centred chi-square); the percentile interval would put its skew on the wrong side."""
-    s = samples[torch.isfinite(samples)]
-    if s.numel() < max(2, samples.numel() // 2) or not math.isfinite(point):
-        return float("nan"), float("nan")
-    a = (1 - level) / 2
-    q = torch.quantile(s, torch.tensor([a, 1 - a], dtype=s.dtype))
-    return point - (float(q[1]) - truth), point - (float(q[0]) - truth)
-
-
-REFLECTED = {"mean_norm_sq"}  # statistics whose CI is the basic interval (see basic_ci)
-
-
 def _fill(row: dict, key: str, v: torch.Tensor, level: float) -> None:
     """row[key], row[key_lo], row[key_hi] from [B + 2] (point, B bootstrap samples, bootstrap-world truth)."""
     row[key] = float(v[0])
-    interval = basic_ci if key in REFLECTED else ci
-    row[key + "_lo"], row[key + "_hi"] = interval(v[1:-1], level, float(v[0]), float(v[-1]))
+    row[key + "_lo"], row[key + "_hi"] = ci(v[1:-1], level, float(v[0]), float(v[-1]))
 
 
 def _ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

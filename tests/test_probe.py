@@ -278,7 +278,7 @@ def tiny_pair(tiny_lm_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_probe_on_a_tiny_hf_lm_pair(tmp_path, single_thread, tiny_pair):
     """model=hf: references from samples (rb; -grad log pi on pi_ref's samples). naive_mc's mean gradient is
-    zero within its CI; naive_cv at sequence level points along grad kl_ref_pi, not grad kl_pi_ref."""
+    zero within its CI; naive_cv at sequence level is along grad kl_ref_pi within its CI; rb along grad kl_pi_ref."""
     from klbench.train import run
     pi, ref = tiny_pair
     cfg = compose_cfg(tmp_path, ["task=probe", "model=hf", f"model.name_or_path={pi}",
@@ -294,7 +294,8 @@ def test_probe_on_a_tiny_hf_lm_pair(tmp_path, single_thread, tiny_pair):
     assert grads["naive_mc"]["mean_norm_sq_lo"] <= 0 <= grads["naive_mc"]["mean_norm_sq_hi"]
     cv = grads["naive_cv_seq"]
     assert cv["cos_kl_ref_pi_lo"] <= 1 <= cv["cos_kl_ref_pi_hi"], cv
-    assert cv["cos_kl_pi_ref_hi"] < 1, cv
+    # (that it is not along grad kl_pi_ref is not resolved on this pair at this R: its weights exp(-rho) are
+    # heavy-tailed; docs/probe.md has the embedded results, where it is at step 60 and is not at step 120)
     assert grads["rb"]["cos_kl_pi_ref_lo"] <= 1 <= grads["rb"]["cos_kl_pi_ref_hi"], grads["rb"]
     values = list(csv.DictReader(open(folder / "probe_values.csv")))
     assert {r["estimator"] for r in values} >= {"mc", "k2", "k3", "cv_seq", "cv_opt", "rb"}
