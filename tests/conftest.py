@@ -13,8 +13,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # shared by every test and the `klbench` subprocesses they start
 os.environ["KLBENCH_CACHE"] = tempfile.mkdtemp(prefix="klbench-test-cache-")
 atexit.register(shutil.rmtree, os.environ["KLBENCH_CACHE"], ignore_errors=True)
-for _var in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID", "KLBENCH_RESUME_CKPT"):
+RECORD_VARS = ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID", "KLBENCH_RESUME_CKPT")
+for _var in RECORD_VARS:
     os.environ.pop(_var, None)
+
+
+@pytest.fixture(autouse=True)
+def _record_env_stays_clean():
+    """A test must not send later tests' runs to its store: mlflow.set_tracking_uri() (which tests of
+    MLflow's fluent API call) also sets $MLFLOW_TRACKING_URI, and a sweep callback run in-process sets
+    KLBENCH_PARENT_RUN_ID / KLBENCH_RESUME_CKPT. Every test starts and ends without them."""
+    yield
+    for var in RECORD_VARS:
+        os.environ.pop(var, None)
 
 
 @pytest.fixture
