@@ -77,25 +77,30 @@ def open_store(uri: str, create: bool = True) -> None:
 
 
 def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None) -> str:
-    """Opens the store (created once, under a lock) and returns the experiment's id, creating it if needed."""
+    """Opens the store (created once, under a lock) and returns the experiment's id, creating it if needed.
+    New and existing experiments alike get klbench's tags (`klbench.experiments.tags_to_set`): the
+    model-training kind and a description of what the experiment holds, neither over a person's choice."""
     import mlflow
     from mlflow.exceptions import MlflowException
+
+    from klbench.experiments import tags_to_set
     open_store(tracking_uri)
     client = mlflow.MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    location = None  # None: the tracking server's own artifact store
-    if artifact_root is not None:
-        os.makedirs(artifact_root, exist_ok=True)
-        location = f"file://{os.path.abspath(artifact_root)}/{name}"
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except MlflowException:  # another process created it since we looked
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
+    if exp is None:
+        location = None  # None: the tracking server's own artifact store
+        if artifact_root is not None:
+            os.makedirs(artifact_root, exist_ok=True)
+            location = f"file://{os.path.abspath(artifact_root)}/{name}"
+        try:
+            return client.create_experiment(name, artifact_location=location, tags=tags_to_set(name, {}))
+        except MlflowException:  # another process created it since we looked
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    for key, value in tags_to_set(name, exp.tags).items():  # an experiment from before these tags
+        client.set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
 
 
 def inspect(path: Path) -> tuple[str, str]:
