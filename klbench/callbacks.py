@@ -206,7 +206,7 @@ def print_pareto_trials(sweep_dir: Path, metrics: list[str]) -> None:
     print(f"\nOptuna's Pareto-optimal trials of this sweep ({len(rows)}, by {names[-1]}):")
     print("  ".join(f"{n:>{width}}" for n in names) + "  params")
     for sol in rows:
-        params = " ".join(f"{k}={v}" for k, v in sol["params"].items())
+        params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sol["params"].items())
         print("  ".join(f"{v:>{width}.4f}" for v in sol["values"]) + f"  {params}")
 
 

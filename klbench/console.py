@@ -26,8 +26,8 @@ QUIET_LOGS: dict[str, tuple[str, ...]] = {
     ),
     "transformers.modeling_utils": (
         "`loss_type=None` was set in the config",  # GPT-2 pretraining uses the default causal-LM loss, as meant
-        # generate() and scoring pass attention masks (policies.py); this fires where pad == eos on an id
-        # sequence that ends in eos, which is how a finished response looks
+        # seen on the model=hf path (issue 10). klbench passes attention masks wherever it calls a model
+        # (policies.py, rewards.py); with pad == eos, as for GPT-2, a finished response ends in the pad id
         "We strongly recommend passing in an `attention_mask`",
     ),
     # the Optuna sweeper's unlabelled "Values: [1.79, 4.35], Params: {...}" lines; the sweep callback
@@ -134,6 +134,23 @@ def mlflow_ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None) -
         return [f"open {tracking_uri.rstrip('/')}/{page}"]
     return [f"mlflow ui --backend-store-uri {display_uri(tracking_uri)}",
             f"then open http://127.0.0.1:5000/{page}"]
+
+
+def print_run_where(cfg, logger) -> None:
+    """A run's last lines: its folder, its MLflow run and how to look at it (train.run, task=probe).
+    `logger` as klbench.tracking.build_logger returns it: a RecordLogger, a CSVLogger, or False."""
+    lines = [("run folder", os.path.abspath(os.path.dirname(cfg.paths.ckpt_dir)))]
+    client = getattr(logger, "client", None)
+    if client is not None:  # an MLflow RecordLogger on rank zero
+        info = client.get_run(logger.run_id).info
+        lines.append(("MLflow run", f"{info.run_id} ({info.run_name}) in experiment {logger.name!r}"))
+        ui = mlflow_ui_lines(cfg.logger.tracking_uri, info.experiment_id, info.run_id)
+        lines += [("to see it" if i == 0 else "", line) for i, line in enumerate(ui)]
+    elif hasattr(logger, "log_dir"):
+        lines.append(("metrics", os.path.join(logger.log_dir, "metrics.csv")))
+    elif not logger:
+        lines.append(("MLflow run", "none (logger=none)"))
+    print_where(lines)
 
 
 def print_where(lines: list[tuple[str, str]]) -> None:

@@ -122,7 +122,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             tracking.log_samples(logger, module.sample_tables, cfg)
             _print_summary(before, after, trainer.global_step, time.time() - t0)
-            _print_where(cfg, logger)
+            console.print_run_where(cfg, logger)
         for key in ("val/reward", "val/seq_kl"):
             if not math.isfinite(after.get(key, float("nan"))):
                 raise FloatingPointError(f"{key} is {after.get(key)} after training: this run is not usable")
@@ -149,18 +149,3 @@ def _print_summary(before: dict | None, after: dict, step: int, seconds: float) 
     for k in keys:
         b = f"{before[k]:.4f}" if before and k in before else "-"
         print(f"{k:<22} {b:>16} {after[k]:>18.4f}")
-
-
-def _print_where(cfg: DictConfig, logger) -> None:
-    """The run's last lines: where its folder and its record are, and how to look at them."""
-    lines = [("run folder", os.path.abspath(os.path.dirname(cfg.paths.ckpt_dir)))]
-    if isinstance(logger, tracking.RecordLogger):
-        info = logger.client.get_run(logger.run_id).info
-        lines.append(("MLflow run", f"{info.run_id} ({info.run_name}) in experiment {logger.name!r}"))
-        ui = console.mlflow_ui_lines(cfg.logger.tracking_uri, info.experiment_id, info.run_id)
-        lines += [("to see it" if i == 0 else "", line) for i, line in enumerate(ui)]
-    elif logger:
-        lines.append(("metrics", os.path.join(logger.log_dir, "metrics.csv")))
-    else:
-        lines.append(("MLflow run", "none (logger=none)"))
-    console.print_where(lines)

@@ -100,6 +100,8 @@ def run_task(cfg: DictConfig) -> dict[str, float]:
                 for f in files:
                     logger.client.log_artifact(logger.run_id, f)
             logger.end("FINISHED")
+        from klbench import console
+        console.print_run_where(cfg, logger)
     return metrics
 
 
