@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from klbench.estimators import KLBatch
+from klbench.estimators.baselines import leave_one_out_mean
 
 
 def grpo_k3_loss(batch: KLBatch) -> torch.Tensor:
@@ -31,20 +32,13 @@ def rloo_k1_in_reward_loss(batch: KLBatch, reward: torch.Tensor | None = None, b
 
     reward: [B] task reward (zero by default, which leaves only the KL part). Needs `batch.group`.
     """
-    if batch.group is None:
-        raise ValueError("rloo_k1_in_reward_loss needs KLBatch.group: prompt ids, n >= 2 samples per prompt")
     zero = torch.zeros((), dtype=batch.logp.dtype, device=batch.logp.device)
     logp = torch.where(batch.mask, batch.logp, zero)  # [B, T]
     kl = (logp - torch.where(batch.mask, batch.ref_logp, zero)).sum(-1).detach()  # [B] k1 per sequence
     score = torch.zeros_like(kl) if reward is None else reward.to(kl.dtype)
     rlhf_reward = score - beta * kl  # [B]
     # leave-one-out baseline: mean reward of the other samples of the same prompt
-    _, inverse, counts = torch.unique(batch.group, return_inverse=True, return_counts=True)
-    if (counts < 2).any():
-        raise ValueError("rloo_k1_in_reward_loss needs n >= 2 samples per prompt")
-    totals = torch.zeros(len(counts), dtype=kl.dtype, device=kl.device).index_add_(0, inverse, rlhf_reward)  # [G]
-    baseline = (totals[inverse] - rlhf_reward) / (counts[inverse] - 1).to(kl.dtype)  # [B]
-    advantage = rlhf_reward - baseline  # [B]
+    advantage = rlhf_reward - leave_one_out_mean(rlhf_reward, batch.group, "rloo_k1_in_reward_loss")  # [B]
     return -advantage * logp.sum(-1)
 
 

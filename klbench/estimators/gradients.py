@@ -10,6 +10,7 @@ import torch
 from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimator, control_variate, register, reward_to_go,
                                      seq_sum)
 from klbench.estimators.batch import KLBatch
+from klbench.estimators.baselines import leave_one_out_mean
 
 gradient = register(GRADIENT_ESTIMATORS)
 
@@ -93,15 +94,8 @@ class LOO(Estimator):
     name = "loo"
 
     def compute(self, batch: KLBatch) -> torch.Tensor:
-        if batch.group is None:
-            raise ValueError("loo needs KLBatch.group: prompt ids, with n >= 2 samples per prompt")
-        _, inverse, counts = torch.unique(batch.group, return_inverse=True, return_counts=True)
-        if (counts < 2).any():
-            raise ValueError(f"loo needs n >= 2 samples per prompt; group sizes found: {sorted(set(counts.tolist()))}")
         r = seq_sum(batch.rho.detach())  # [B]
-        totals = torch.zeros(len(counts), dtype=r.dtype, device=r.device).index_add_(0, inverse, r)  # [G]
-        baseline = (totals[inverse] - r) / (counts[inverse] - 1).to(r.dtype)  # [B]
-        return (r - baseline) * seq_sum(batch.masked_logp)
+        return (r - leave_one_out_mean(r, batch.group, "loo")) * seq_sum(batch.masked_logp)
 
 
 @gradient

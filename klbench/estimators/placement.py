@@ -26,6 +26,7 @@ import torch
 
 from klbench.estimators.base import GRADIENT_ESTIMATORS, Estimator, register, reward_to_go, seq_sum
 from klbench.estimators.batch import KLBatch
+from klbench.estimators.baselines import leave_one_out_mean
 
 gradient = register(GRADIENT_ESTIMATORS)
 
@@ -49,15 +50,8 @@ def value_terms(batch: KLBatch, value: str, lam: float, level: str) -> tuple[tor
 
 
 def loo_mean(x: torch.Tensor, group: torch.Tensor | None, who: str) -> torch.Tensor:
-    """[B] mean of x over the other samples of the same prompt (the leave-one-out baseline)."""
-    if group is None:
-        raise ValueError(f"{who} with baseline='loo' needs KLBatch.group: prompt ids, n >= 2 samples per prompt")
-    _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
-    if (counts < 2).any():
-        raise ValueError(f"{who} with baseline='loo' needs n >= 2 samples per prompt; group sizes found: "
-                         f"{sorted(set(counts.tolist()))}")
-    totals = torch.zeros(len(counts), dtype=x.dtype, device=x.device).index_add_(0, inverse, x)  # [G]
-    return (totals[inverse] - x) / (counts[inverse] - 1).to(x.dtype)
+    """[B] the leave-one-out baseline of x (klbench.estimators.baselines), for baseline='loo'."""
+    return leave_one_out_mean(x, group, f"{who} with baseline='loo'")
 
 
 def _truncate(w: torch.Tensor, live: torch.Tensor, max_weight: float | None) -> tuple[torch.Tensor, int | None]:
