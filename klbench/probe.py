@@ -173,7 +173,7 @@ def ci(samples: torch.Tensor, level: float, point: float | None = None, truth: f
     """Bias-corrected percentile interval from bootstrap samples [B] of a statistic whose estimate is `point`.
 
     `truth` is the statistic's value in the bootstrap world (computed on the empirical distribution itself,
-    e.g. the plug-in ||mean||^2 for the debiased squared norm): b = centre(samples) - truth estimates the
+    e.g. the plug-in ||mean||^2 for the debiased squared norm): b = mean(samples) - truth estimates the
     estimator's bias, and the interval is the percentile interval moved to sit around point - b. Without
     that shift a debiased squared norm's interval sits trace/R too high (a zero-mean gradient's interval
     would exclude zero) and a debiased cosine's O(1/R) bias above 1 is not undone. Non-finite samples (a
@@ -185,10 +185,7 @@ def ci(samples: torch.Tensor, level: float, point: float | None = None, truth: f
     q = torch.quantile(s, torch.tensor([a, 1 - a], dtype=s.dtype))
     shift = 0.0
     if point is not None and math.isfinite(point):
-        # the bootstrap distribution's centre: a 5%-trimmed mean, so that a few resamples that drew one extreme
-        # replicate several times (heavy-tailed estimators) do not move the interval off its estimate
-        cut = int(0.05 * s.numel())
-        m = float(s.sort().values[cut: s.numel() - cut].mean())
+        m = float(s.mean())
         bias = m - truth if truth is not None and math.isfinite(truth) else 0.0
         shift = m - point + bias
     return float(q[0]) - shift, float(q[1]) - shift
@@ -595,7 +592,9 @@ def _gradient_stats(t: _GradientTrack, refs: dict[str, Reference], W: torch.Tens
         dot = W @ torch.tensor(t.dots[name], dtype=torch.float64) / R  # [B+1] mean . reference
         dot[0] = float(t.welford.mean @ ref.mean)
         dot = torch.cat([dot, dot[:1]])
-        ref_sq = ref.sq_debiased
+        # a sampled reference whose squared norm does not clear twice its own noise is not resolved (at pi = pi_ref
+        # the sampled grad kl_ref_pi is pure noise): no cosine or relative error against it
+        ref_sq = ref.sq_debiased if ref.sq_debiased > ref.noise else 0.0
         denom = mean_sq_deb * ref_sq
         out[f"cos_{name}"] = torch.where(denom > 0, dot / denom.clamp(min=1e-300).sqrt(),
                                          torch.full_like(dot, float("nan")))

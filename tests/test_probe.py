@@ -81,19 +81,20 @@ def tabular_probes():
     return out
 
 
-# Sequence-level control variates carry exp(-rho) of the whole sequence: their per-sample distribution is
-# heavy-tailed, and no resampling of R replicates can see tail mass they did not draw. Measured on instance 0
-# over 30 probe seeds (R=400): their variance CIs covered the exact value 70-73% of the time at nominal 95%
-# (docs/probe.md). They are held to 3 instances of 4 at 99%, the rest to every instance.
-HEAVY_TAILED = ("cv_seq", "naive_cv_seq")
+def _within_rate(misses: int, n: int, p: float) -> bool:
+    """misses out of n is no more than a level-(1-p) interval's promise allows: n p plus two binomial s.d."""
+    return misses <= n * p + 2 * math.sqrt(n * p * (1 - p))
 
 
 def test_probe_agrees_with_exact_values_on_tabular(tabular_probes):
-    """Every value variance and bias and every gradient trace, squared mean norm and cosine the probe
-    estimates on the tabular instances agrees with the exact value within the probe's own CIs: within its
-    99% CIs (heavy-tailed estimators: on 3 instances of 4), and within its 95% CIs at about the promised rate."""
-    misses95, misses99, heavy_bad, n = [], [], set(), 0
-    for i, (inst, r95, r99, exact) in enumerate(tabular_probes):
+    """Every value std and bias and every gradient trace, squared mean norm and cosine the probe estimates on the
+    tabular instances against the exact value: on at least 3 of the 4 instances every one lies within the probe's
+    99% CI, and over all instances the exact values fall outside its 95% and 99% CIs no more often than those
+    levels promise (binomial slack). What misses: heavy-tailed estimators (exp(-rho) weights) on instance 0,
+    whose R replicates under-sample the tail; docs/probe.md has the coverage measured over 30 seeds."""
+    misses95, misses99, n = [], {}, 0
+    for inst, r95, r99, exact in tabular_probes:
+        misses99[inst] = []
         for (what, value, lo, hi), (_, _, lo99, hi99) in zip(_checks(r95, exact), _checks(r99, exact)):
             n += 1
             assert math.isfinite(lo) and math.isfinite(hi), (inst, what)
@@ -101,17 +102,16 @@ def test_probe_agrees_with_exact_values_on_tabular(tabular_probes):
             if not lo - tol <= value <= hi + tol:
                 misses95.append((inst, what, value, lo, hi))
             if not lo99 - tol <= value <= hi99 + tol:
-                if any(f"'{h}'" in what for h in HEAVY_TAILED):
-                    heavy_bad.add(i)
-                else:
-                    misses99.append((inst, what, value, lo99, hi99))
-    print(f"\n{n} checks: {len(misses95)} outside the 95% CI; heavy-tailed misses at 99% on instances {heavy_bad}")
-    for m in misses95:
-        print("  95% miss:", m)
-    assert n >= 3 * 60
-    assert not misses99, misses99
-    assert len(heavy_bad) <= 1, heavy_bad
-    assert len(misses95) <= 0.05 * n + 2 * math.sqrt(0.05 * 0.95 * n), misses95
+                misses99[inst].append((what, value, lo99, hi99))
+    print(f"\n{n} checks: {len(misses95)} outside the 95% CI, "
+          f"{sum(map(len, misses99.values()))} outside the 99% CI")
+    for inst, m in misses99.items():
+        for miss in m:
+            print("  99% miss:", inst, miss)
+    assert n >= 4 * 60
+    assert sum(1 for m in misses99.values() if not m) >= 3, misses99
+    assert _within_rate(sum(map(len, misses99.values())), n, 0.01), misses99
+    assert _within_rate(len(misses95), n, 0.05), misses95
 
 
 def test_naive_estimators_fail_as_documented_on_tabular(tabular_probes):
@@ -163,23 +163,33 @@ def test_probe_restores_the_rng_and_repeats_itself():
         ProbeConfig(samples=2, grad_samples=4)
 
 
-def test_probe_task_on_tabular_writes_the_record(tmp_path, single_thread):
+def test_probe_task_reads_a_checkpoint_and_writes_the_record(tmp_path, single_thread):
+    """task=probe ckpt_path=<a tabular RL run's last.ckpt>, in the run's store: one more MLflow run, FINISHED,
+    metrics by estimator, the 7 artifacts; its KL reference is the exact KL of the checkpoint's policy; a
+    checkpoint of another model is refused naming the key."""
+    from klbench.resume import ResumeError
     from klbench.train import run
-    # the pair: a student table against another table as teacher (model@teacher), so the KL is not 0
-    cfg = compose_cfg(tmp_path, ["task=probe", "model=tabular", "model@teacher=tabular", "teacher.ref_seed=5",
-                                 "reward=tabular", "task.prompts=2", "task.samples=4", "task.grad_samples=2",
-                                 "task.replicates=20", "task.bootstrap=50"])
+    run(compose_cfg(tmp_path, ["experiment=tabular", "task.max_steps=2", "task.val_every=2"]))
+    ckpt = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    small = ["task.prompts=2", "task.samples=4", "task.grad_samples=2", "task.replicates=20", "task.bootstrap=50"]
+    cfg = compose_cfg(tmp_path, ["task=probe", "model=tabular", "reward=tabular", f"ckpt_path={ckpt}"] + small)
     out = run(cfg)
+    theta = torch.load(ckpt, weights_only=True)["state_dict"]["policy.theta"]
+    policy = TabularPolicy(TabularModel(4, 4, eos=0, seed=0), theta)
+    assert math.isclose(out["kl_reference"], float(policy.table.kl_pi_ref(theta)), rel_tol=1e-12)  # exact
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
-    (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
-    assert r.info.status == "FINISHED" and r.info.run_name.startswith("probe-tabular")
-    assert out["kl_reference"] > 0.1
+    runs = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
+    (r,) = [r for r in runs if r.data.tags.get("klbench.task") == "probe"]
+    assert r.info.status == "FINISHED" and r.info.run_name == "probe-tabular-tabular-step2-seed4321"
     for key in ("value/std_ratio_mc/rb", "value/std/rb/M4", "grad/var_ratio_seq/rb", "grad/cos_kl_pi_ref/rb",
                 "grad/cos_kl_ref_pi/naive_cv_seq", "grad/trace_cov/naive_mc_lo"):
         assert key in r.data.metrics and math.isclose(r.data.metrics[key], out[key]), key
     arts = {a.path for a in client.list_artifacts(r.info.run_id)}
     assert {"probe_values.csv", "probe_values.md", "probe_gradients.csv", "probe_gradients.md",
             "probe_value_std.png", "probe_gradients.png", "probe_meta.json"} <= arts
+    with pytest.raises(ResumeError, match="model.K"):
+        run(compose_cfg(tmp_path / "q", ["task=probe", "model=tabular", "model.K=3", "reward=tabular",
+                                         f"ckpt_path={ckpt}", "logger=none"] + small))
 
 
 def test_probe_every_does_not_shift_training(tmp_path, single_thread):
@@ -189,11 +199,12 @@ def test_probe_every_does_not_shift_training(tmp_path, single_thread):
     base = ["experiment=tabular", "task.max_steps=20", "task.val_every=10", "task.log_every=1"]
     probe = ["task.probe_every=10", "task.probe.replicates=4", "task.probe.bootstrap=10", "task.probe.prompts=1"]
     histories = []
-    for name, extra in (("plain", []), ("probed", probe)):
-        cfg = compose_cfg(tmp_path / name, base + extra)
+    for extra in ([], probe):  # one store, two runs
+        cfg = compose_cfg(tmp_path, base + extra)
         run(cfg)
         client = mlflow.MlflowClient(cfg.logger.tracking_uri)
-        (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
+        runs = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
+        (r,) = [r for r in runs if r.data.params["task.probe_every"] == ("10" if extra else "None")]
         histories.append({k: [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, k)]
                           for k in r.data.metrics})
     plain, probed = histories
@@ -237,25 +248,6 @@ def test_frontier_share_ci():
     assert summary["share_ci"] == ci
     for lab, (lo, hi) in ci.items():
         assert 0 <= lo < summary["share"][lab] < hi <= 1, (lab, lo, hi)
-
-
-def test_probe_task_reads_a_runs_checkpoint(tmp_path, single_thread):
-    """task=probe ckpt_path=<a run's last.ckpt>: the run's policy against its pi_ref; another model's is refused."""
-    from klbench.resume import ResumeError
-    from klbench.train import run
-    rl = compose_cfg(tmp_path / "rl", ["experiment=tabular", "task.max_steps=2", "task.val_every=2", "logger=none"])
-    run(rl)
-    ckpt = f"{rl.paths.ckpt_dir}/last.ckpt"
-    small = ["task.prompts=1", "task.samples=2", "task.grad_samples=2", "task.replicates=4", "task.bootstrap=20",
-             "logger=none"]
-    out = run(compose_cfg(tmp_path / "p", ["task=probe", "model=tabular", "reward=tabular", f"ckpt_path={ckpt}"]
-                          + small))
-    theta = torch.load(ckpt, weights_only=True)["state_dict"]["policy.theta"]
-    policy = TabularPolicy(TabularModel(4, 4, eos=0, seed=0), theta)
-    assert math.isclose(out["kl_reference"], float(policy.table.kl_pi_ref(theta)), rel_tol=1e-12)  # exact
-    with pytest.raises(ResumeError, match="model.K"):
-        run(compose_cfg(tmp_path / "q", ["task=probe", "model=tabular", "model.K=3", "reward=tabular",
-                                         f"ckpt_path={ckpt}"] + small))
 
 
 @pytest.fixture(scope="module")
