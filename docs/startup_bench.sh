@@ -14,6 +14,7 @@ for v in before after; do
   git archive "$([ $v = before ] && echo "$before" || echo "$after")" | tar -x -C "$work/$v"
 done
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+cd "$work"  # python -c puts the working directory first on sys.path: a checkout there would shadow both
 for i in $(seq "$runs"); do
   for v in before after; do
     load=$(cut -d' ' -f1 /proc/loadavg)
