@@ -24,7 +24,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "klbench"
 # (importer, imported): why the edge is there and what removes it
 LAZY_CIRCLES = {
     ("klbench.tasks.offpolicy", "klbench.tasks.rl"):
-        "offpolicy.py borrows rl.py's rloo_advantage; issue 10's single leave-one-out baseline removes it",
+        "offpolicy.py borrows rl.py's rloo_advantage; moving it next to leave_one_out_mean in "
+        "klbench/estimators/baselines.py removes the edge",
     ("klbench.tasks.probe", "klbench.train"):
         "tasks/probe.py borrows train.py's TABULAR_PROMPT and resolve_ckpt; issue 10's policy interface "
         "(tabular special cases in one place) removes it",
