@@ -157,6 +157,10 @@ def test_probe_restores_the_rng_and_repeats_itself():
     b = run_probe(policy, ["<t>"], cfg, progress=False)
     assert str(a.values) == str(b.values) and str(a.gradients) == str(b.gradients)  # (nan != nan)
     assert all(p.grad is None for p in policy.trainable())  # .grad is never touched
+    # project_dim: the moments run in a fixed CountSketch (said in the meta); the statistics stay finite
+    sk = run_probe(policy, ["<t>"], ProbeConfig(**{**cfg.__dict__, "project_dim": 16}), progress=False)
+    assert sk.meta["gradient_space"] == "CountSketch 16" and a.meta["gradient_space"] == "exact"
+    assert all(math.isfinite(r["trace_cov"]) and r["trace_cov"] > 0 for r in sk.gradients)
     with pytest.raises(ValueError, match="unknown gradient estimator"):
         run_probe(policy, ["<t>"], ProbeConfig(gradient_estimators=["nope"]), progress=False)
     with pytest.raises(ValueError, match="grad_samples"):
