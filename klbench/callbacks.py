@@ -47,7 +47,7 @@ class SweepTracking(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from klbench import console
-        console.quiet_sweeper()  # its unlabelled result lines; on_multirun_end prints them labelled
+        console.setup()  # e.g. the sweeper's unlabelled result lines: on_multirun_end prints them labelled
         _tolerate_grid_stop()
         try:
             self._start(config)

@@ -1,7 +1,6 @@
 """What klbench prints: each message once, no library chatter a user cannot act on, and where the results are.
 
-`setup()` runs at the start of every run (klbench.train.run), `quiet_sweeper()` in a sweep's process
-(klbench.callbacks). Everything silenced here is named by its logger or its message, one entry per notice;
+`setup()` runs at the start of every run (klbench.train.run) and of every sweep (klbench.callbacks). Everything silenced here is named by its logger or its message, one entry per notice;
 KLBENCH_VERBOSE=1 brings all of it back (docs/console.md).
 
 No torch, Lightning, transformers or MLflow imports here: filters are set on logger names and warning
@@ -33,6 +32,11 @@ QUIET_LOGS: dict[str, tuple[str, ...]] = {
     # the Optuna sweeper's unlabelled "Values: [1.79, 4.35], Params: {...}" lines; the sweep callback
     # prints the same trials labelled (klbench.callbacks.print_pareto_trials)
     "hydra_plugins.hydra_optuna_sweeper._impl": ("Number of Pareto solutions: ", "    Values: "),
+    # klbench opens the study itself just before the sweeper does, so this shows at every sweep, a new
+    # study included; klbench's own line says how many of its trials are done
+    "optuna.study.study": ("Using an existing study with",),
+    # the store's creation: klbench.store prints one line saying where
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
 }
 # (warning category, message regex) silenced at default verbosity
 QUIET_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
@@ -79,11 +83,6 @@ def quiet_logger(name: str) -> None:
         return
     _installed.add(name)
     logging.getLogger(name).addFilter(_DropMessages(QUIET_LOGS[name]))
-
-
-def quiet_sweeper() -> None:
-    """In a sweep's own process: the Optuna sweeper's unlabelled result lines."""
-    quiet_logger("hydra_plugins.hydra_optuna_sweeper._impl")
 
 
 def one_handler() -> None:
