@@ -16,6 +16,9 @@ from klbench.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
 from klbench.tabular import TabularModel
 
+# the one implicit prompt of the tabular model: its prompt batches only set the batch shape
+TABULAR_PROMPT = "<tabular>"
+
 
 @dataclass
 class Rollout:

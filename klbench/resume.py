@@ -7,6 +7,7 @@ as another, so it is refused with the differing keys named, unless the user list
 """
 from __future__ import annotations
 
+import os
 import pickle
 import zipfile
 
@@ -27,6 +28,16 @@ MEASUREMENT_ONLY = ("task.probe_every", "task.probe")
 
 class ResumeError(ValueError):
     pass
+
+
+def resolve_ckpt(cfg: DictConfig) -> str | None:
+    """The checkpoint that `ckpt_path` names (`last`: this run folder's last.ckpt), or None; it must exist."""
+    if cfg.ckpt_path in (None, "null"):
+        return None
+    path = os.path.join(cfg.paths.ckpt_dir, "last.ckpt") if cfg.ckpt_path == "last" else cfg.ckpt_path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r}: no checkpoint at {path}")
+    return path
 
 
 def load_payload(path: str) -> dict:

@@ -374,7 +374,7 @@ STORES = {"local": StoreLocal, "server": StoreServer}
 
 TOP_LEVEL = {
     "seed": (int, {"ge": 0, "le": 2**32 - 1}),  # the bounds of Lightning's seed_everything
-    "ckpt_path": (Optional[str], {}),  # `last` or a .ckpt path; train.resolve_ckpt checks that it exists
+    "ckpt_path": (Optional[str], {}),  # `last` or a .ckpt path; resume.resolve_ckpt checks that it exists
     "ckpt_allow_changes": (list, {"check": _allow_changes_ok,
                                   "expect": "a list of config keys (e.g. [task.max_steps]) or [*]"}),
 }

@@ -17,13 +17,12 @@ with lean.lightning():  # without torchmetrics' transformers, scipy and matplotl
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from klbench import console, progress, resume, tracking
-from klbench.policies import TabularPolicy, build_policy
+from klbench.policies import TABULAR_PROMPT, TabularPolicy, build_policy
 from klbench.rewards import build_reward
 from klbench.schema import validate
 from klbench.tasks import build_task
 
 log = logging.getLogger(__name__)
-TABULAR_PROMPT = "<tabular>"
 # LMPolicy keeps its models in eval mode on purpose (no dropout: see policies.py); Lightning's notice about it
 # would only alarm users at every run
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -72,15 +71,6 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
                       num_sanity_val_steps=0, enable_model_summary=False, deterministic=False)
 
 
-def resolve_ckpt(cfg: DictConfig) -> str | None:
-    if cfg.ckpt_path in (None, "null"):
-        return None
-    path = os.path.join(cfg.paths.ckpt_dir, "last.ckpt") if cfg.ckpt_path == "last" else cfg.ckpt_path
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r}: no checkpoint at {path}")
-    return path
-
-
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train one run; returns the final validation metrics."""
     console.setup()
@@ -92,7 +82,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.task.name == "probe":  # measures estimators on a policy/reference pair: no Trainer
         from klbench.tasks.probe import run_task
         return run_task(cfg)
-    ckpt_path = resolve_ckpt(cfg)
+    ckpt_path = resume.resolve_ckpt(cfg)
     payload = None
     if ckpt_path is not None:  # refused before anything is built or logged
         payload = resume.load_payload(ckpt_path)

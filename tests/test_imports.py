@@ -4,15 +4,13 @@ The graph is read from the source with `ast`, so nothing is imported. An edge A 
 or a name from B. Importing klbench.x.y also runs klbench/x/__init__.py, so A -> klbench.x.y brings
 A -> klbench.x too, unless A lives inside klbench.x (its own package is set up before it).
 
-Two graphs are checked:
-- at import time (imports outside function bodies): must have no circle at all; a circle here runs one
-  module's body while the other is half set up, and the error depends on which is imported first.
+Two graphs are checked, and neither may have a circle:
+- at import time (imports outside function bodies): a circle here runs one module's body while the
+  other is half set up, and the error depends on which is imported first.
 - every import, those inside functions too: a function-level import is how a run imports only what it
   needs (transformers, Lightning, MLflow) when it needs it, but it must follow the same direction as the
-  rest (cli -> train -> tasks -> policies -> estimators). The circle that models.py, tasks/pretrain.py and
-  policies.py made went mostly through such imports, so they are checked too. LAZY_CIRCLES lists the
-  edges that still close a circle, each with the change that removes it; an entry that no longer exists
-  fails the test, so the list only shrinks.
+  rest (cli -> train -> tasks -> policies -> estimators). The circle that models.py, tasks/pretrain.py
+  and policies.py made went mostly through such imports.
 """
 from __future__ import annotations
 
@@ -20,16 +18,6 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "klbench"
-
-# (importer, imported): why the edge is there and what removes it
-LAZY_CIRCLES = {
-    ("klbench.tasks.offpolicy", "klbench.tasks.rl"):
-        "offpolicy.py borrows rl.py's rloo_advantage; moving it next to leave_one_out_mean in "
-        "klbench/estimators/baselines.py removes the edge",
-    ("klbench.tasks.probe", "klbench.train"):
-        "tasks/probe.py borrows train.py's TABULAR_PROMPT and resolve_ckpt; issue 10's policy interface "
-        "(tabular special cases in one place) removes it",
-}
 
 
 def module_names() -> dict[str, Path]:
@@ -125,12 +113,7 @@ def test_no_circle_at_import_time():
 
 
 def test_no_circle_with_function_level_imports():
-    graph = import_graph(include_functions=True)
-    missing = [edge for edge in LAZY_CIRCLES if edge[1] not in graph.get(edge[0], ())]
-    assert not missing, f"these edges are gone: remove them from LAZY_CIRCLES: {missing}"
-    for importer, imported in LAZY_CIRCLES:
-        graph[importer].discard(imported)
-    found = circles(graph)
+    found = circles(import_graph(include_functions=True))
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
 
 

@@ -18,3 +18,11 @@ def leave_one_out_mean(x: torch.Tensor, group: torch.Tensor | None, who: str) ->
         raise ValueError(f"{who} needs n >= 2 samples per prompt; group sizes found: {sorted(set(counts.tolist()))}")
     totals = torch.zeros(len(counts), dtype=x.dtype, device=x.device).index_add_(0, inverse, x)  # [G]
     return (totals[inverse] - x) / (counts[inverse] - 1).to(x.dtype)
+
+
+def rloo_advantage(reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[B] r_i - mean_{j != i in the same group} r_j. One sample per prompt has no baseline: the schema
+    allows that only without a reward term, where the reward is 0."""
+    if len(torch.unique(group)) == len(group):
+        return reward
+    return reward - leave_one_out_mean(reward, group, "the RLOO reward baseline")

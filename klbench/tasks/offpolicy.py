@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from klbench.estimators.baselines import rloo_advantage
 from klbench.policies import Rollout
 
 
@@ -53,7 +54,6 @@ def ppo_reward_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
 
 def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
     """One optimiser step of RLTask with task.inner_steps > 1 (see the module docstring)."""
-    from klbench.tasks.rl import rloo_advantage  # rl.py imports this module
     k, step = int(task.cfg["inner_steps"]), task.global_step
     i = step % k
     if i == 0:

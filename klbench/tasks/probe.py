@@ -54,8 +54,7 @@ def load_policy_weights(policy, path: str, cfg: DictConfig) -> int:
 
 
 def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
-    from klbench.policies import TabularPolicy
-    from klbench.train import TABULAR_PROMPT
+    from klbench.policies import TABULAR_PROMPT, TabularPolicy
     if isinstance(policy, TabularPolicy):  # one implicit prompt: n independent groups of samples
         return [TABULAR_PROMPT] * n
     from klbench.data import load_prompts
@@ -68,10 +67,9 @@ def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
 def run_task(cfg: DictConfig) -> dict[str, float]:
     """task=probe: build the pair, probe it, write and log tables and plots; returns the headline metrics."""
     from klbench.policies import build_policy
-    from klbench.train import resolve_ckpt
     t0 = time.time()
     pcfg = probe_config(cfg.task)  # bad options fail before anything is built
-    ckpt_path = resolve_ckpt(cfg)
+    ckpt_path = resume.resolve_ckpt(cfg)
     if ckpt_path is not None:
         resume.load_payload(ckpt_path)  # not a klbench checkpoint: refused before anything is built or logged
     torch.manual_seed(cfg.seed)

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 
 from klbench.estimators import gradient_estimator, value_estimator
-from klbench.estimators.baselines import leave_one_out_mean
+from klbench.estimators.baselines import rloo_advantage
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.kl_control import build_kl_control
 from klbench.policies import Rollout, TabularPolicy
@@ -28,14 +28,6 @@ LOGGED_VALUES = {
     "cv_opt": ("cv_opt", {}),
     "rb": ("rb", {}),
 }
-
-
-def rloo_advantage(reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """[B] r_i - mean_{j != i in the same group} r_j. One sample per prompt has no baseline: the schema
-    allows that only without a reward term, where the reward is 0."""
-    if len(torch.unique(group)) == len(group):
-        return reward
-    return reward - leave_one_out_mean(reward, group, "the RLOO reward baseline")
 
 
 class RLTask(pl.LightningModule):
