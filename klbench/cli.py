@@ -62,7 +62,7 @@ def _discard_run_folder(outputs: Path) -> None:
     """A run stopped by its config leaves nothing behind: Hydra made its folder (and the empty folders
     above it, up to the outputs folder) before calling us, and it holds only Hydra's own files."""
     out = Path(HydraConfig.get().runtime.output_dir).resolve()
-    if not (out.is_dir() and all(p.name in (".hydra", "klbench.log", "cli.log") for p in out.iterdir())):
+    if not (out.is_dir() and all(p.name in (".hydra", "klbench.log") for p in out.iterdir())):
         return
     shutil.rmtree(out, ignore_errors=True)
     outputs = outputs.resolve()
