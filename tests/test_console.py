@@ -1,6 +1,7 @@
 """What a newcomer meets on the console (docs/console.md): each Lightning message once, no library notices
 at default verbosity (KLBENCH_VERBOSE=1 brings them back), a run's last lines say where it is, `--help`
-lists the sweeps, and a tabular run without MLflow imports neither transformers nor MLflow.
+lists the sweeps, the progress bar counts the run's steps, and a tabular run without MLflow imports neither
+transformers nor MLflow.
 
 The sweep's end (labelled Pareto trials, pareto.png/csv in its folder) is checked in tests/test_sweeps.py.
 """
@@ -109,3 +110,22 @@ def test_mlflow_ui_lines():
     assert console.mlflow_ui_lines("http://mlflow-host:5000/", "3", None) == [
         "open http://mlflow-host:5000/#/experiments/3"]
     assert console.display_uri("postgresql://klbench:secret@db/klbench") == "postgresql://klbench:***@db/klbench"
+
+
+def test_progress_bar_counts_steps_of_the_run_with_reward_and_kl(capsys):
+    from types import SimpleNamespace
+
+    from klbench.progress import StepProgressBar
+    trainer = SimpleNamespace(max_steps=300, global_step=100, callback_metrics={}, progress_bar_metrics={})
+    module = SimpleNamespace(last_logged={})
+    bar = StepProgressBar()
+    bar.on_train_start(trainer, module)  # a run resumed at step 100
+    assert (bar.bar.n, bar.bar.total) == (100, 300)
+    trainer.global_step = 105
+    module.last_logged.update({"train/reward": 1.234, "train/kl_rb": 0.5, "train/kl_mc": 9.0, "train/beta": 0.1})
+    trainer.callback_metrics = {"val/reward": 1.1, "val/seq_kl": 0.45}
+    bar.on_train_batch_end(trainer, module, None, None, 0)
+    assert bar.bar.n == 105
+    assert bar.bar.postfix == "reward 1.23, KL 0.5, val reward 1.1, val KL 0.45"
+    bar.on_train_end(trainer, module)
+    assert "step 105/300" in capsys.readouterr().err
