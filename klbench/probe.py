@@ -208,7 +208,7 @@ class _GradientTrack:
     welford: Welford
     sq: list = field(default_factory=list)  # ||g_r||^2
     dots: dict = field(default_factory=dict)  # reference -> [g_r . reference mean]
-    sketch: list = field(default_factory=list)  # [boot_dim] sketches (or the vector itself)
+    sketch: torch.Tensor | None = None  # [R, boot_dim] float32 sketches (or the vectors themselves), row r = g_r
 
 
 @dataclass
@@ -402,25 +402,30 @@ def _run(policy, prompts: list[str], cfg: ProbeConfig, progress: bool, log) -> P
     t_ref = time.perf_counter() - t_ref
 
     # ---- replicates ----
-    per_sample = {lab: [] for lab in values if lab not in BATCH_FITTED}  # lab -> R x [P, Mx]
-    fitted = {lab: {M: [] for M in sizes if M >= 2} for lab in values if lab in BATCH_FITTED}  # lab -> M -> R x [P, C]
-    tracks = {lab: _GradientTrack(Welford(dim, device)) for lab in grads}
+    # storage for every replicate, allocated once: small tensors kept per replicate between the big temporary
+    # ones would pin the allocator's heap and grow the process by megabytes per replicate
+    per_sample = {lab: torch.full((R, P, Mx), float("nan"), dtype=torch.float64)
+                  for lab in values if lab not in BATCH_FITTED}  # lab -> [R, P, Mx]
+    fitted = {lab: {M: torch.full((R, P, Mx // M), float("nan"), dtype=torch.float64) for M in sizes if M >= 2}
+              for lab in values if lab in BATCH_FITTED}  # lab -> M -> [R, P, C]
+    k = boot_sketch.k if boot_sketch is not None else dim
+    tracks = {lab: _GradientTrack(Welford(dim, device), sketch=torch.zeros(R, k)) for lab in grads}
     grad_rows = torch.tensor([p * Mx + j for p in range(P) for j in range(Mg)], device=device)
     iterator = range(R)
     if progress:
         from tqdm import tqdm
         iterator = tqdm(iterator, desc="probe replicates", leave=False)
-    for _ in iterator:
+    for r in iterator:
         ro = policy.rollout(prompts, Mx)  # [P * Mx] rows, the Mx samples of prompt p at p*Mx ..
         with torch.no_grad():
             batch = policy.score(ro)
             for lab, est in values.items():
                 if lab in BATCH_FITTED:
                     for M, store in fitted[lab].items():
-                        store.append(_fitted_chunks(est, batch, P, Mx, M))
+                        store[r] = _fitted_chunks(est, batch, P, Mx, M)
                 elif lab not in skipped:
                     try:
-                        per_sample[lab].append(_surrogate(est, batch).double().reshape(P, Mx).cpu())
+                        per_sample[lab][r] = _surrogate(est, batch).double().reshape(P, Mx).cpu()
                     except ValueError as e:  # e.g. an estimator that needs inputs this probe does not give
                         skipped[lab] = str(e)
         del batch
@@ -438,7 +443,7 @@ def _run(policy, prompts: list[str], cfg: ProbeConfig, progress: bool, log) -> P
             t.sq.append(float(g @ g))
             for name, ref in refs.items():
                 t.dots.setdefault(name, []).append(float(g @ ref.mean))
-            t.sketch.append((boot_sketch(g) if boot_sketch is not None else g).float().cpu())
+            t.sketch[r] = (boot_sketch(g) if boot_sketch is not None else g).float().cpu()
         del gbatch
 
     W = bootstrap_weights(R, cfg.bootstrap, cfg.seed + 3)  # [B + 1, R], row 0 = the sample
@@ -510,14 +515,13 @@ def _fitted_chunks(est, batch: KLBatch, P: int, Mx: int, M: int) -> torch.Tensor
 def _value_stats_all(per_sample, fitted, skipped, sizes, Mx, kl_ref, W) -> dict:
     """lab -> M -> the [B + 2] statistics of the M-sample estimate (see _value_stats)."""
     chunks: dict[str, dict[int, torch.Tensor]] = {}  # lab -> M -> [R, P, C]
-    for lab, rs in per_sample.items():
-        if lab in skipped or not rs:
+    for lab, x in per_sample.items():  # x [R, P, Mx]
+        if lab in skipped:
             continue
-        x = torch.stack(rs)  # [R, P, Mx]
         chunks[lab] = {M: x[..., : (Mx // M) * M].reshape(*x.shape[:2], Mx // M, M).mean(-1) for M in sizes}
     for lab, by_m in fitted.items():
-        if by_m and all(by_m.values()):
-            chunks[lab] = {M: torch.stack(v) for M, v in by_m.items()}
+        if by_m:
+            chunks[lab] = by_m
     return {lab: {M: _value_stats(x, kl_ref, W) for M, x in by_m.items()} for lab, by_m in chunks.items()}
 
 
@@ -574,7 +578,7 @@ def _gradient_stats(t: _GradientTrack, refs: dict[str, Reference], W: torch.Tens
     and the bootstrap-world truth (the resamples' population is the sample: mean g-bar, plug-in covariance,
     no noise to remove)."""
     sq = torch.tensor(t.sq, dtype=torch.float64)  # [R]
-    Z = torch.stack(t.sketch).double()  # [R, k]
+    Z = t.sketch.double()  # [R, k]
     zbar = W @ Z / R  # [B+1, k] sketch of each resample's mean
     gbar_sq = float(t.welford.mean @ t.welford.mean)
     mean_sq = gbar_sq + (zbar ** 2).sum(-1) - (zbar[0] ** 2).sum()  # [B+1]
