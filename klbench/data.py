@@ -64,4 +64,8 @@ class PromptData(pl.LightningDataModule):
                           generator=gen)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val, batch_size=max(1, min(len(self.val), 16)), collate_fn=list)
+        # its own generator too: every DataLoader iterator draws a base seed, from the global RNG unless
+        # given one, and validation must not shift the training samples (runs with other val_every
+        # would train differently)
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.val, batch_size=max(1, min(len(self.val), 16)), collate_fn=list, generator=gen)

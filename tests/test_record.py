@@ -261,6 +261,15 @@ def test_checkpoint_from_another_config_is_refused(tmp_path):
     assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == r.data.tags[runs.MAX_STEPS] == "30"
 
 
+def test_validation_never_shifts_training(tmp_path):
+    """The same run validated every 2 or every 6 steps trains on the same samples: the exact KL and
+    reward of the final policy are identical."""
+    over = ["logger=none", "task.max_steps=6"]
+    often = run(compose_cfg(tmp_path / "a", TABULAR + over + ["task.val_every=2"]))
+    rarely = run(compose_cfg(tmp_path / "b", TABULAR + over + ["task.val_every=6"]))
+    assert often["val/seq_kl"] == rarely["val/seq_kl"] and often["val/reward"] == rarely["val/reward"]
+
+
 def test_checkpoint_from_before_an_option_existed_resumes(tmp_path):
     """A checkpoint made before kl_ctl, task.inner_steps and task.clip_eps existed holds none of them:
     the values that do what klbench did then are no change, any other value is."""
