@@ -113,9 +113,15 @@ def test_logger_options_build(tmp_path, option):
 @pytest.mark.parametrize("option", GROUPS["task"])
 def test_task_options_build(tmp_path, option):
     over = {"rl": ["experiment=tabular"], "distill": ["experiment=distill_tabular"],
-            "pretrain": ["task=pretrain", *TINY_SPEC]}[option]
+            "pretrain": ["task=pretrain", *TINY_SPEC],
+            "probe": ["task=probe", "model=tabular", "reward=tabular", "logger=none", "task.prompts=2",
+                      "task.samples=4", "task.grad_samples=2", "task.replicates=4", "task.bootstrap=20"]}[option]
     cfg = compose_cfg(tmp_path, over)
     check_config(cfg)
+    if option == "probe":  # measures, trains nothing: its runner is the whole task
+        from klbench.tasks.probe import run_task
+        assert run_task(cfg)["kl_reference"] == 0  # the untrained policy is its reference
+        return
     if option == "pretrain":
         from klbench.tasks.pretrain import run_task
         metrics = run_task(cfg)
