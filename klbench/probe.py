@@ -41,16 +41,10 @@ from typing import Any, Callable
 import torch
 
 from klbench.estimators import GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, KLBatch, gradient_estimator, value_estimator
+from klbench.estimators.values import REPORTED as REPORTED_VALUES
 
 # value estimators probed, label -> (registered name, options); registered names not covered join with defaults
-VALUE_VARIANTS: dict[str, tuple[str, dict]] = {
-    "mc": ("mc", {}),
-    "k2": ("k2", {}),
-    "k3": ("cv", {"lam": 1.0, "level": "token"}),
-    "cv_seq": ("cv", {"lam": 1.0, "level": "sequence"}),
-    "cv_opt": ("cv_opt", {}),
-    "rb": ("rb", {}),
-}
+VALUE_VARIANTS: dict[str, tuple[str, dict]] = REPORTED_VALUES
 # fitted on the batch they are given: their M-sample estimate is computed on M samples, not averaged
 BATCH_FITTED = {"cv_opt"}
 # gradient variants beyond each registered estimator with its defaults: naive_cv at sequence level is the one

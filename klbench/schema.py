@@ -443,15 +443,7 @@ def _check_combination(cfg: DictConfig, task: str, est: str, model: str, teacher
             raise ConfigError(f"task.reward_coef={t.reward_coef} needs a reward, but reward=none")
     elif teacher is not None:
         raise ConfigError(f"a teacher (model@teacher) only applies to task=distill (and task=probe), not task={task}")
-    for who in ("model", "teacher"):
-        m = cfg.get(who)
-        if m is not None and m.kind == "tabular" and m.eos is not None and m.eos >= m.K:
-            raise ConfigError(f"{who}.eos must be a token id in [0, {who}.K={m.K}), got {m.eos}")
-    if teacher == "tabular":
-        m, te = cfg.model, cfg.teacher
-        if (m.K, m.T, m.eos) != (te.K, te.T, te.eos):
-            raise ConfigError(f"student and teacher vocabularies differ: model (K={m.K}, T={m.T}, eos={m.eos}) "
-                              f"vs teacher (K={te.K}, T={te.T}, eos={te.eos})")
+    _check_tabular_pair(cfg, teacher)
     n = t.n_samples
     _check_placement(cfg, est)
     if est == "loo" and n < 2:
@@ -462,6 +454,19 @@ def _check_combination(cfg: DictConfig, task: str, est: str, model: str, teacher
         raise ConfigError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={reward})")
     if reward == "tabular" and model != "tabular":
         raise ConfigError(f"reward=tabular needs model=tabular (got model.kind={model})")
+
+
+def _check_tabular_pair(cfg: DictConfig, teacher: str | None) -> None:
+    """A tabular model's EOS is one of its tokens, and a tabular teacher shares the student's vocabulary."""
+    for who in ("model", "teacher"):
+        m = cfg.get(who)
+        if m is not None and m.kind == "tabular" and m.eos is not None and m.eos >= m.K:
+            raise ConfigError(f"{who}.eos must be a token id in [0, {who}.K={m.K}), got {m.eos}")
+    if teacher == "tabular":
+        m, te = cfg.model, cfg.teacher
+        if (m.K, m.T, m.eos) != (te.K, te.T, te.eos):
+            raise ConfigError(f"student and teacher vocabularies differ: model (K={m.K}, T={m.T}, eos={m.eos}) "
+                              f"vs teacher (K={te.K}, T={te.T}, eos={te.eos})")
 
 
 def _check_kl_ctl(cfg: DictConfig, task: str, kl_ctl: str) -> None:
@@ -485,15 +490,7 @@ def _check_probe(cfg: DictConfig, model: str, teacher: str | None) -> None:
     if t.grad_samples > t.samples:
         raise ConfigError(f"task.grad_samples={t.grad_samples} must be <= task.samples={t.samples}: the gradient "
                           "batch reuses the first grad_samples of each prompt's samples")
-    for who in ("model", "teacher"):
-        m = cfg.get(who)
-        if m is not None and m.kind == "tabular" and m.eos is not None and m.eos >= m.K:
-            raise ConfigError(f"{who}.eos must be a token id in [0, {who}.K={m.K}), got {m.eos}")
-    if teacher == "tabular":
-        m, te = cfg.model, cfg.teacher
-        if (m.K, m.T, m.eos) != (te.K, te.T, te.eos):
-            raise ConfigError(f"student and teacher vocabularies differ: model (K={m.K}, T={m.T}, eos={m.eos}) "
-                              f"vs teacher (K={te.K}, T={te.T}, eos={te.eos})")
+    _check_tabular_pair(cfg, teacher)
 
 
 def _check_probe_every(t: DictConfig) -> None:

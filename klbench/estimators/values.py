@@ -81,3 +81,15 @@ class RB(Estimator):
 
     def compute(self, batch: KLBatch) -> torch.Tensor:
         return seq_sum(batch.kappa).detach()
+
+
+# The value estimators klbench reports, by label: train/kl_<label> at every logged step, the probe's rows,
+# and the signals kl_ctl may use (klbench.kl_control.SIGNALS names them without importing torch).
+REPORTED: dict[str, tuple[str, dict]] = {
+    "mc": ("mc", {}),
+    "k2": ("k2", {}),
+    "k3": ("cv", {"lam": 1.0, "level": "token"}),
+    "cv_seq": ("cv", {"lam": 1.0, "level": "sequence"}),
+    "cv_opt": ("cv_opt", {}),
+    "rb": ("rb", {}),
+}

@@ -15,19 +15,13 @@ from lightning.pytorch.utilities import grad_norm
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.baselines import rloo_advantage
 from klbench.estimators.chunked import exact_token_entropy
+from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.kl_control import build_kl_control
 from klbench.policies import Rollout, TabularPolicy
 from klbench.tasks.offpolicy import off_policy_step
 
 # train/kl_<label>: value estimator name and options, all on the same batch
-LOGGED_VALUES = {
-    "mc": ("mc", {}),
-    "k2": ("k2", {}),
-    "k3": ("cv", {"lam": 1.0, "level": "token"}),
-    "cv_seq": ("cv", {"lam": 1.0, "level": "sequence"}),
-    "cv_opt": ("cv_opt", {}),
-    "rb": ("rb", {}),
-}
+LOGGED_VALUES = REPORTED_VALUES
 
 
 class RLTask(pl.LightningModule):
