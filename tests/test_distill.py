@@ -15,6 +15,7 @@ import torch
 from klbench import distill_report as dr
 from klbench.tabular import TabularModel
 from klbench.train import run
+from conftest import save_sharpened_variant
 from test_config import compose_cfg
 
 TABULAR = ["experiment=distill_tabular", "task.max_steps=20", "task.val_every=10"]
@@ -61,18 +62,8 @@ def test_tabular_distill_lowers_the_exact_kl(tmp_path, single_thread, estimator)
 @pytest.fixture(scope="module")
 def tiny_teacher_dir(tiny_lm_dir, tmp_path_factory):
     """tiny_lm_dir's tokenizer files with a differently initialised (and bigger) GPT-2 next to them."""
-    from transformers import AutoTokenizer
-
-    from klbench.embedded.build import build_gpt2
-    path = tmp_path_factory.mktemp("tiny_teacher")
-    tok = AutoTokenizer.from_pretrained(tiny_lm_dir, local_files_only=True)
-    model = build_gpt2(len(tok), n_embd=48, n_layer=2, n_head=2, n_positions=64, seed=7,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    with torch.no_grad():  # a random init is near uniform; sharpen it so that the KL is not tiny
-        model.lm_head.weight.mul_(20.0)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_sharpened_variant(tiny_lm_dir, tmp_path_factory.mktemp("tiny_teacher"), n_embd=48, n_layer=2,
+                                  seed=7, sharpen=20.0)
 
 
 def lm_distill(tmp_path, student, teacher, extra=()):

@@ -13,6 +13,7 @@ from klbench.policies import TabularPolicy
 from klbench.probe import (BATCH_FITTED, CountSketch, ProbeConfig, Welford, bootstrap_weights, gradient_variants,
                            run_probe, value_variants)
 from klbench.tabular import TabularModel
+from conftest import save_sharpened_variant
 from test_config import compose_cfg
 
 # instances: (K, T, eos, ref seed, policy seed, policy scale); the last one is sharp (large KL, heavy tails)
@@ -257,18 +258,9 @@ def test_frontier_share_ci():
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_lm_dir, tmp_path_factory):
     """tiny_lm_dir as pi_ref and a differently initialised copy (same tokenizer) as pi."""
-    from transformers import AutoTokenizer
-
-    from klbench.embedded.build import build_gpt2
-    path = tmp_path_factory.mktemp("tiny_pi")
-    tok = AutoTokenizer.from_pretrained(tiny_lm_dir, local_files_only=True)
-    model = build_gpt2(len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64, seed=3,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    with torch.no_grad():  # a freshly initialised LM is near uniform: sharpen it so that KL(pi || pi_ref) is large
-        model.get_output_embeddings().weight.mul_(6)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path), tiny_lm_dir
+    pi = save_sharpened_variant(tiny_lm_dir, tmp_path_factory.mktemp("tiny_pi"), n_embd=32, n_layer=1, seed=3,
+                                sharpen=6)
+    return pi, tiny_lm_dir
 
 
 @pytest.mark.slow
