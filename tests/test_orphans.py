@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import time
 
 import optuna
 import pytest
@@ -66,8 +67,11 @@ def test_waits_for_a_local_job_still_running(tmp_path, monkeypatch):
     monkeypatch.setattr(jobs, "POLL_S", 0.2)
     folder = tmp_path / ".submitit"
     # a process whose command line names submitit, as submitit's local jobs do
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)", "submitit"])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)", "submitit"])
     (folder / str(proc.pid)).mkdir(parents=True)
+    deadline = time.monotonic() + 10  # until exec, /proc shows the forking parent's command line
+    while not jobs.alive(folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert jobs.alive(folder) == [str(proc.pid)]
     assert jobs.wait_and_collect(folder) == [] and proc.poll() is not None
     assert jobs.alive(folder) == []
