@@ -15,7 +15,7 @@ import torch
 from klbench import distill_report as dr
 from klbench.tabular import TabularModel
 from klbench.train import run
-from conftest import save_sharpened_variant
+from tiny_lms import save_sharpened_variant
 from test_config import compose_cfg
 
 TABULAR = ["experiment=distill_tabular", "task.max_steps=20", "task.val_every=10"]

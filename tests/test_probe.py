@@ -13,7 +13,7 @@ from klbench.policies import TabularPolicy
 from klbench.probe import (BATCH_FITTED, CountSketch, ProbeConfig, Welford, bootstrap_weights, gradient_variants,
                            run_probe, value_variants)
 from klbench.tabular import TabularModel
-from conftest import save_sharpened_variant
+from tiny_lms import save_sharpened_variant
 from test_config import compose_cfg
 
 # instances: (K, T, eos, ref seed, policy seed, policy scale); the last one is sharp (large KL, heavy tails)
