@@ -1,4 +1,4 @@
-"""The two diagnostics behind the README's distillation conclusion (not part of the package).
+"""The two diagnostics behind the distillation conclusion in docs/distillation.md (not part of the package).
 
     python docs/distill_probes.py tabular-exact [--sgd] [--lr 0.1 0.03]
         Noise-free: Adam (or SGD) on the EXACT sequence-KL gradient versus the EXACT token-level partial

@@ -1,4 +1,4 @@
-"""Regenerates the README's sweep figures and tables from an MLflow store.
+"""Regenerates the sweep figures and tables of docs/sweeps.md from an MLflow store.
 
     python docs/sweep_figures.py tabular --experiment sweep-rl_beta-tabular --out docs/img/pareto_tabular.png
     python docs/sweep_figures.py embedded --experiment sweep-estimators_grid-embedded --out docs/img/pareto_embedded.png

@@ -1,6 +1,6 @@
 """Exact (enumerated, noise-free) checks of every expected-gradient and expected-value claim in docs/kl-math.md.
 
-Run with -s to see the variance figures that the README quotes.
+Run with -s to see the variance figures that docs/estimators.md quotes.
 """
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def pretrain(spec, out_dir: str, progress: bool = True, tokenizer=None, num_thre
     tokenizer_spec(spec), identical to the one ensure_embedded_lm caches.
     num_threads: torch intra-op threads while training (restored afterwards).
     The matrices here are tiny, so 1 thread loses little on an idle machine and
-    is much faster than 2 on a busy one (README, "The embedded default"); results
+    is much faster than 2 on a busy one (docs/embedded.md); results
     agree to float rounding. None: leave as is.
     Returns {"train_loss", "heldout_loss", "time_s", "fit_time_s", "tokens", "tokens_per_s", "n_params", "steps"}.
     """
