@@ -85,7 +85,8 @@ def test_sweep_composes(tmp_path, name):
     assert cfg.hydra.callbacks.sweep_tracking._target_ == "klbench.callbacks.SweepTracking"
     assert cfg.logger.parent_run_id is None and cfg.ckpt_path is None  # outside a trial process
     dists, fixed, _ = create_params_from_overrides([f"{k}={v}" for k, v in sw.params.items()])
-    assert ("kl_ctl.target" if name == "rl_target_kl" else "estimator.beta") in dists and not fixed
+    swept = {"rl_target_kl": "kl_ctl.target", "kl_placement": "estimator.value"}.get(name, "estimator.beta")
+    assert swept in dists and not fixed
     if name.startswith("rl_beta"):
         beta = dists["estimator.beta"]
         assert beta.log and beta.low == 1e-3 and beta.high == 1.0
