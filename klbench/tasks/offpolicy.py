@@ -69,16 +69,8 @@ def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
     c = task.cached_rollout
     loss_reward, stats = ppo_reward_loss(batch.logp, c.old_logp, batch.mask, c.adv, float(task.cfg["clip_eps"]))
     # at i == 0 old_logp is logp itself, detached: an on-policy batch for every estimator
-    surrogate = task.estimator(replace(batch, old_logp=c.old_logp))
-    n_clamped = None
-    if isinstance(surrogate, tuple):
-        surrogate, n_clamped = surrogate
-    loss_kl = surrogate.mean()
-    loss = task.cfg["reward_coef"] * loss_reward + task.beta * loss_kl
-    if not torch.isfinite(loss):
-        raise FloatingPointError(
-            f"non-finite loss at step {step} (step {i} of its rollout): reward part {loss_reward.item()}, "
-            f"KL surrogate {loss_kl.item()} (estimator {task.estimator!r}, beta {task.beta})")
+    loss, n_clamped = task.total_loss(replace(batch, old_logp=c.old_logp), loss_reward,
+                                      f"step {step} (step {i} of its rollout)")
     if step % task.cfg["log_every"] == 0:
         if i == 0:  # on-policy samples: every value estimator is valid
             task._log_train(batch, c.reward, c.ro, loss, n_clamped)

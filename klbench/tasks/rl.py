@@ -58,16 +58,7 @@ class RLTask(pl.LightningModule):
         logp_sum = batch.masked_logp.sum(-1)  # [B]
         adv = rloo_advantage(reward, ro.group).to(logp_sum.dtype)
         loss_reward = -(adv * logp_sum).mean()
-        surrogate = self.estimator(batch)
-        n_clamped = None
-        if isinstance(surrogate, tuple):
-            surrogate, n_clamped = surrogate
-        loss_kl = surrogate.mean()
-        loss = self.cfg["reward_coef"] * loss_reward + self.beta * loss_kl
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"non-finite loss at step {self.global_step}: reward part {loss_reward.item()}, "
-                f"KL surrogate {loss_kl.item()} (estimator {self.estimator!r}, beta {self.beta})")
+        loss, n_clamped = self.total_loss(batch, loss_reward, f"step {self.global_step}")
         if self.global_step % self.cfg["log_every"] == 0:
             self._log_train(batch, reward, ro, loss, n_clamped)
         self._control_beta(batch)
@@ -92,6 +83,21 @@ class RLTask(pl.LightningModule):
             m["train/kl_ctl_signal"] = kl
             self.kl_ctl.update(float(kl), len(v) * self.trainer.world_size)
         self._log_now(m)
+
+    def total_loss(self, batch, loss_reward: torch.Tensor, where: str) -> tuple[torch.Tensor, int | None]:
+        """reward_coef * the reward part + beta * the mean KL surrogate, and the estimator's clamp count (None
+        without a clamp). A non-finite loss stops the run here, naming both parts, before it reaches the weights."""
+        surrogate = self.estimator(batch)
+        n_clamped = None
+        if isinstance(surrogate, tuple):
+            surrogate, n_clamped = surrogate
+        loss_kl = surrogate.mean()
+        loss = self.cfg["reward_coef"] * loss_reward + self.beta * loss_kl
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite loss at {where}: reward part {loss_reward.item()}, "
+                f"KL surrogate {loss_kl.item()} (estimator {self.estimator!r}, beta {self.beta})")
+        return loss, n_clamped
 
     @torch.no_grad()
     def _log_train(self, batch, reward, ro, loss, n_clamped) -> None:
