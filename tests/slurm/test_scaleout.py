@@ -243,6 +243,10 @@ def test_ddp_trial_through_srun(slurm_cluster, tmp_path):
     assert kid.info.status == "FINISHED"
     job = kid.data.tags["klbench.slurm_job"]
     folder = Path(kid.data.tags["klbench.run_dir"]).parent / ".submitit" / job
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in (folder / f"{job}_1_log.err").read_text()
+    # srun ran the trial as 2 tasks, and rank 1 finished too (submitit writes one result per task)
+    tasks = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,NTasks"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert f"{job}.0|2" in tasks, tasks
+    assert (folder / f"{job}_1_result.pkl").is_file()
     straight = straight_run(out, *task, *ddp)  # the 2-process local DDP run of the same config
     assert {k: kid.data.metrics[k] for k in straight} == pytest.approx(straight, rel=1e-6)
