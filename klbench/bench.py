@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"all sizes must be >= 1, got {cfg}")
 
     # libgomp's default spin-wait turns every barrier into a stall when other processes share the cores
-    # (measured here, 2 cores at load 3-7: rb 0.3 s to 24 s from run to run); children inherit this
+    # (docs/estimators.md, "Cost of rb"); children inherit this
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     print(f"hardware: {hardware(cfg['threads'])}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     print(f"shapes: B={cfg['B']} T={cfg['T']} V={cfg['V']}, chunk_rows={cfg['chunk_rows']}, "
