@@ -15,10 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 
 # what makes a run the run it is; hardware, logger and paths may change between attempts
 IDENTITY = ("task", "estimator", "kl_ctl", "model", "teacher", "reward", "dataset", "seed")
-# what a group was before it existed, for checkpoints made then: beta was always fixed
-BEFORE_GROUP = {"kl_ctl": {"name": "fixed"}}
-# what an option was before it existed, for checkpoints made then: the value that does what klbench did
-BEFORE_KEY = {"task.inner_steps": 1, "task.clip_eps": 0.2}
+# what a group or option was before it existed, for checkpoints made then: the value that does what
+# klbench did (beta was always fixed; one optimiser step per rollout)
+BEFORE = {"kl_ctl": {"name": "fixed"}, "task.inner_steps": 1, "task.clip_eps": 0.2}
 
 
 # task keys that only add measurements (klbench.probe at validations, on its own RNG stream): they never
@@ -68,12 +67,12 @@ def config_changes(saved: dict, cfg: DictConfig) -> list[str]:
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
                 sub = f"{key}.{k}" if key else k
-                walk(a[k] if k in a else BEFORE_KEY.get(sub), b.get(k), sub)
+                walk(a[k] if k in a else BEFORE.get(sub), b.get(k), sub)
         elif a != b:
             out.append(f"{key} ({a!r} in the checkpoint, {b!r} now)")
 
     for group in IDENTITY:
-        walk(saved.get(group, BEFORE_GROUP.get(group)), now.get(group), group)
+        walk(saved[group] if group in saved else BEFORE.get(group), now.get(group), group)
     return out
 
 
