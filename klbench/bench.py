@@ -55,10 +55,11 @@ def _kl_step(variant: str, x: dict, chunk_rows: int) -> None:
         value_estimator("mc")(batch)
         gradient_estimator("seq")(batch).mean().backward()
         return
-    batch = KLBatch(x["logp"], x["ref_logp"], x["mask"], x["logits"], x["ref_logits"], chunk_rows=chunk_rows)
-    if variant == "naive":
-        # the same estimators, fed the unchunked kappa through the batch's per-batch cache
-        batch._kappa = exact_token_kl_naive(x["logits"], x["ref_logits"], x["mask"]).to(batch.logp.dtype)
+    # naive: the same estimators, fed the unchunked per-position KL instead of computing the chunked one
+    token_kl = (exact_token_kl_naive(x["logits"], x["ref_logits"], x["mask"]).to(x["logp"].dtype)
+                if variant == "naive" else None)
+    batch = KLBatch(x["logp"], x["ref_logp"], x["mask"], x["logits"], x["ref_logits"], chunk_rows=chunk_rows,
+                    token_kl=token_kl)
     value_estimator("rb")(batch)
     gradient_estimator("rb")(batch).mean().backward()
 

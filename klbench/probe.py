@@ -336,11 +336,6 @@ def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor], retain: bool) -> 
                       for g, p in zip(grads, params)])  # [D]
 
 
-def _surrogate(est, batch: KLBatch) -> torch.Tensor:
-    out = est(batch)
-    return out[0] if isinstance(out, tuple) else out
-
-
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
 
@@ -419,7 +414,7 @@ def _run(policy, prompts: list[str], cfg: ProbeConfig, progress: bool, log) -> P
                         store[r] = _fitted_chunks(est, batch, P, Mx, M)
                 elif lab not in skipped:
                     try:
-                        per_sample[lab][r] = _surrogate(est, batch).double().reshape(P, Mx).cpu()
+                        per_sample[lab][r] = est(batch).double().reshape(P, Mx).cpu()
                     except ValueError as e:  # e.g. an estimator that needs inputs this probe does not give
                         skipped[lab] = str(e)
         del batch
@@ -427,7 +422,7 @@ def _run(policy, prompts: list[str], cfg: ProbeConfig, progress: bool, log) -> P
         live = [lab for lab in grads if lab not in skipped]
         for i, lab in enumerate(live):
             try:
-                loss = _surrogate(grads[lab], gbatch).mean()
+                loss = grads[lab](gbatch).mean()
                 g = vec(_flat_grad(loss, params, retain=i < len(live) - 1))
             except ValueError as e:
                 skipped[lab] = str(e)
@@ -478,7 +473,7 @@ def _lm_references(policy, prompts, cfg: ProbeConfig, params, vec, dim, progress
     for _ in iterator:
         batch = policy.score(policy.rollout(prompts, n))
         kl.append(rb_value(batch).double().reshape(P, n).mean(-1).cpu())
-        w_pi.update(vec(_flat_grad(_surrogate(rb_grad, batch).mean(), params, retain=False)))
+        w_pi.update(vec(_flat_grad(rb_grad(batch).mean(), params, retain=False)))
         del batch
         rbatch = policy.score(ref_sampler.rollout(prompts, n))
         # KL(pi_ref || pi) = E_{y ~ pi_ref}[log pi_ref(y) - log pi(y)]: its gradient is -E_{y ~ pi_ref}[grad log pi(y)]
@@ -502,7 +497,7 @@ def _fitted_chunks(est, batch: KLBatch, P: int, Mx: int, M: int) -> torch.Tensor
         for c in range(C):
             rows = slice(p * Mx + c * M, p * Mx + (c + 1) * M)
             sub = KLBatch(batch.logp[rows], batch.ref_logp[rows], batch.mask[rows])
-            out[p, c] = float(_surrogate(est, sub).double().mean())
+            out[p, c] = float(est(sub).double().mean())
     return out
 
 

@@ -233,8 +233,6 @@ class Frontier:
 
 
 def _as_tensor(out, size: int) -> torch.Tensor:
-    if isinstance(out, tuple):  # estimators called with clamp=... return (values, n_clamped)
-        out = out[0]
     if not isinstance(out, torch.Tensor) or out.shape != (size,):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"a surrogate must return one value per sequence, shape ({size},); got {shape}. "

@@ -153,25 +153,42 @@ def test_clamp_token_level_counts_and_values():
     k3 = rho + torch.expm1(-rho)  # [2, 4]
     expected_count = int(((k3.abs() > 0.5) & mask).sum())
     assert expected_count == 2  # 2.0 -> 1.135 and -3.0 -> 16.09; the padding 5.0 must not count
-    values, n = value_estimator("cv", clamp=0.5)(batch)
-    assert n == expected_count
-    torch.testing.assert_close(values, torch.where(mask, k3.clamp(-0.5, 0.5), 0).sum(-1))
-    surrogate, n_grad = gradient_estimator("naive_cv", clamp=0.5)(batch)
-    assert n_grad == expected_count and surrogate.requires_grad
+    est = value_estimator("cv", clamp=0.5)
+    out = est.estimate(batch)
+    assert out.n_clamped == expected_count and out.fitted_lam is None
+    torch.testing.assert_close(out.values, torch.where(mask, k3.clamp(-0.5, 0.5), 0).sum(-1))
+    torch.testing.assert_close(est(batch), out.values)  # a plain call gives the same values, as a Tensor
+    grad = gradient_estimator("naive_cv", clamp=0.5).estimate(batch)
+    assert grad.n_clamped == expected_count and grad.values.requires_grad
 
 
 def test_clamp_sequence_level_counts_and_values():
     batch, rho, mask = _hand_batch()
     r = torch.where(mask, rho, 0).sum(-1)  # [2]: -0.9, 0.3
     k3 = r + torch.expm1(-r)
-    values, n = value_estimator("cv", level="sequence", clamp=0.2)(batch)
-    assert n == int((k3.abs() > 0.2).sum()) == 1
-    torch.testing.assert_close(values, k3.clamp(-0.2, 0.2))
+    out = value_estimator("cv", level="sequence", clamp=0.2).estimate(batch)
+    assert out.n_clamped == int((k3.abs() > 0.2).sum()) == 1
+    torch.testing.assert_close(out.values, k3.clamp(-0.2, 0.2))
 
 
-def test_no_clamp_returns_plain_tensor():
+@pytest.mark.parametrize("kind,name,opts", [("value", "cv", {"clamp": 0.5}), ("value", "cv", {}),
+                                            ("gradient", "naive_cv", {"clamp": 0.5}), ("value", "cv_opt", {}),
+                                            ("gradient", "in_reward", {"max_weight": 2.0}), ("gradient", "rb", {})])
+def test_every_call_returns_one_tensor_per_sequence(kind, name, opts):
+    """Whatever the options, a call gives Tensor[B]; what it did on the way is in estimate()."""
     batch, _, _ = _hand_batch()
-    assert isinstance(value_estimator("cv")(batch), torch.Tensor)
+    batch = KLBatch(batch.logp, batch.ref_logp, batch.mask, torch.randn(2, 4, 3, dtype=torch.float64),
+                    torch.randn(2, 4, 3, dtype=torch.float64))
+    est = (value_estimator if kind == "value" else gradient_estimator)(name, **opts)
+    out = est(batch)
+    assert type(out) is torch.Tensor and out.shape == (2,)
+    counted = est.estimate(batch).n_clamped
+    assert (counted is None) == ("clamp" not in opts and "max_weight" not in opts)
+
+
+def test_no_clamp_counts_nothing():
+    batch, _, _ = _hand_batch()
+    assert value_estimator("cv").estimate(batch).n_clamped is None
 
 
 # ---- cv_opt fits the least-squares multiplier ----
@@ -180,13 +197,15 @@ def test_cv_opt_lam_is_least_squares_coefficient():
     rho = torch.tensor([[0.3, -0.1], [1.2, 0.4], [-0.5, 0.2], [0.9, -0.7], [0.05, 0.6]], dtype=torch.float64)
     batch = KLBatch(rho, torch.zeros_like(rho), torch.ones_like(rho, dtype=torch.bool))
     est = value_estimator("cv_opt")
-    values = est(batch)
+    out = est.estimate(batch)
+    values = out.values
     r = rho.sum(-1)  # [5]
     c = torch.expm1(-r)
     # regress r on [1, c]: the variance-minimising multiplier is minus the slope
     design = torch.stack([torch.ones_like(c), c], -1)  # [5, 2]
     slope = torch.linalg.lstsq(design, r.unsqueeze(-1)).solution[1, 0]
-    assert abs(est.fitted_lam + float(slope)) <= 1e-12
+    assert abs(out.fitted_lam + float(slope)) <= 1e-12
+    assert not hasattr(est, "fitted_lam")  # the estimator keeps no state between calls
     torch.testing.assert_close(values, r - slope * c)
     # at the fitted multiplier the batch variance is the smallest over a grid of multipliers
     grid = torch.linspace(-3, 3, 601, dtype=torch.float64)

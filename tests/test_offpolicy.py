@@ -105,7 +105,8 @@ def test_in_reward_loo_off_policy(form):
 def test_truncation_is_counted_and_biased(name, opts):
     _, model, theta, old = INSTANCES[3]  # the strongly off-policy instance
     batch = model.batch(theta.clone().requires_grad_(), torch.arange(model.N), behaviour=old)
-    surrogate, n = gradient_estimator(name, max_weight=1.2, **opts)(batch)
+    out = gradient_estimator(name, max_weight=1.2, **opts).estimate(batch)
+    surrogate, n = out.values, out.n_clamped
     w_tok = torch.exp(batch.log_w.detach())  # [N, T]
     if opts.get("ratio") == "sequence" or (name == "in_reward" and "form" not in opts):
         expected_n = int((w_tok.prod(-1) > 1.2).sum())  # sequences
@@ -122,8 +123,7 @@ def test_truncation_is_counted_and_biased(name, opts):
 def test_on_policy_call_with_max_weight_reports_zero():
     model, theta = default_instances()[0]
     batch = model.batch(theta, torch.arange(model.N))
-    _, n = gradient_estimator("in_reward", max_weight=2.0)(batch)
-    assert n == 0
+    assert gradient_estimator("in_reward", max_weight=2.0).estimate(batch).n_clamped == 0
 
 
 # ---- old_logp == logp is on-policy: every estimator gives exactly what it gives without old_logp ----

@@ -167,3 +167,19 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert runs[0].data.params["hardware.strategy"] == "ddp"
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "val/seq_kl")]
     assert steps == [0, 3, 6]
+
+
+def test_clamps_that_fire_reach_the_record(tmp_path):
+    """estimate(batch).n_clamped, logged at every logged step as train/n_clamped: a clamp this tight fires
+    on most tokens, and no clamp logs no count."""
+    cfg = compose_cfg(tmp_path, TABULAR + ["estimator=naive_cv", "+estimator.clamp=0.01", "task.max_steps=10",
+                                           "task.log_every=1"])
+    run(cfg)
+    client, runs = mlflow_run(cfg)
+    counts = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "train/n_clamped")}
+    assert sorted(counts) == list(range(10))
+    assert counts[0] == 0 and all(counts[s] > 0 for s in range(1, 10))  # step 0: pi = pi_ref, every k3 term is 0
+    cfg = compose_cfg(tmp_path / "none", TABULAR + ["estimator=naive_cv", "task.max_steps=10"])
+    run(cfg)
+    client, runs = mlflow_run(cfg)
+    assert "train/n_clamped" not in runs[0].data.metrics

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -12,10 +13,28 @@ VALUE_ESTIMATORS: dict[str, type["Estimator"]] = {}
 GRADIENT_ESTIMATORS: dict[str, type["Estimator"]] = {}
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """What one call of an estimator gave: `est.estimate(batch)`; `est(batch)` is its `.values`.
+
+    values:     [B] the per-sequence estimate (value estimators: detached) or surrogate (gradient estimators)
+    n_clamped:  entries that `clamp=c` clamped, or importance weights that `max_weight=c` truncated (see the
+                estimator's docstring for what an entry is); 0 when none fired, None when the option is unset
+    fitted_lam: cv_opt's multiplier, fitted on this very batch; None for every other estimator
+    """
+
+    values: torch.Tensor
+    n_clamped: int | None = None
+    fitted_lam: float | None = None
+
+
 class Estimator:
     """A callable `estimator(batch) -> Tensor[B]` with declared, validated options.
 
-    Subclasses set `name`, `defaults` (option -> default value) and implement `compute`.
+    `estimator.estimate(batch)` gives the same values as an `Estimate`, with what the call did on the way
+    (clamps that fired, a fitted multiplier). Estimators hold no state between calls.
+    Subclasses set `name`, `defaults` (option -> default value) and implement `compute`, which returns
+    Tensor[B], or an Estimate when the call has more to report.
     """
 
     name: ClassVar[str]
@@ -39,7 +58,11 @@ class Estimator:
             return options[key]
         raise AttributeError(key)
 
-    def __call__(self, batch: KLBatch):
+    def __call__(self, batch: KLBatch) -> torch.Tensor:
+        """[B] one estimate (or surrogate) per sequence."""
+        return self.estimate(batch).values
+
+    def estimate(self, batch: KLBatch) -> Estimate:
         if not isinstance(batch, KLBatch):
             raise ValueError(f"estimator {self.name!r} expects a KLBatch, got {type(batch).__name__}")
         if not self.supports_off_policy() and batch.is_off_policy:
@@ -47,12 +70,13 @@ class Estimator:
                 f"estimator {self!r} assumes y ~ pi, but KLBatch.old_logp differs from logp (samples from a "
                 "behaviour policy pi_old): use an estimator that corrects for it (in_reward, in_loss with "
                 "ratio='token' or 'sequence', the rb gradient), or drop old_logp if the samples are on-policy")
-        return self.compute(batch)
+        out = self.compute(batch)
+        return out if isinstance(out, Estimate) else Estimate(out)
 
     def supports_off_policy(self) -> bool:
         return self.off_policy
 
-    def compute(self, batch: KLBatch):
+    def compute(self, batch: KLBatch) -> torch.Tensor | Estimate:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -104,10 +128,10 @@ def reward_to_go(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
-def control_variate(batch: KLBatch, lam: float, level: str, clamp: float | None):
+def control_variate(batch: KLBatch, lam: float, level: str, clamp: float | None) -> Estimate:
     """rho + lam * (exp(-rho) - 1) per token or per sequence, summed to [B]; differentiable.
 
-    Returns (value [B], n_clamped or None). Clamping (verl-style, on the estimate) happens only if asked.
+    Clamping (verl-style, on the estimate) happens only if asked, and every clamp that fires is counted.
     """
     rho = batch.rho  # [B, T], zero off the mask, so expm1(-0) = 0 adds nothing there
     if level == "token":
@@ -119,5 +143,4 @@ def control_variate(batch: KLBatch, lam: float, level: str, clamp: float | None)
     if clamp is not None:
         n_clamped = int(((terms.abs() > clamp) & live).sum())
         terms = terms.clamp(-clamp, clamp)
-    value = seq_sum(terms) if level == "token" else terms
-    return value, n_clamped
+    return Estimate(seq_sum(terms) if level == "token" else terms, n_clamped)

@@ -23,6 +23,8 @@ class KLBatch:
     old_logp:   [B, T] optional log pi_old(y_t | y_<t) under the behaviour policy that sampled y (several
                 optimiser steps per rollout); must not require grad. None, or equal to logp on every real
                 token, means on-policy. Only estimators that declare off-policy support accept it otherwise.
+    token_kl:   [B, T] optional exact per-position KL(pi || pi_ref), already computed elsewhere (klbench-bench
+                feeds the unchunked implementation this way); None: computed from the logits on first use
     """
 
     logp: torch.Tensor
@@ -33,7 +35,7 @@ class KLBatch:
     group: torch.Tensor | None = None
     chunk_rows: int | None = None
     old_logp: torch.Tensor | None = None
-    _kappa: torch.Tensor | None = field(default=None, init=False, repr=False)
+    token_kl: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("logp", "ref_logp", "mask"):
@@ -73,6 +75,11 @@ class KLBatch:
             self.chunk_rows = default_chunk_rows(self.logits.shape[-1], self.logits.device)
         if self.chunk_rows is not None and self.chunk_rows < 1:
             raise ValueError(f"KLBatch.chunk_rows must be >= 1, got {self.chunk_rows}")
+        tk = self.token_kl
+        if tk is not None and (not isinstance(tk, torch.Tensor) or tk.shape != shape or tk.dtype != self.logp.dtype):
+            got = f"{tk.dtype} {tuple(tk.shape)}" if isinstance(tk, torch.Tensor) else type(tk).__name__
+            raise ValueError(f"KLBatch.token_kl must be a {self.logp.dtype} tensor of shape {tuple(shape)} like logp, "
+                             f"got {got}")
 
     def _check_old_logp(self) -> None:
         old = self.old_logp
@@ -133,10 +140,11 @@ class KLBatch:
     def kappa(self) -> torch.Tensor:
         """[B, T] exact per-position KL(pi(.|y_<t) || pi_ref(.|y_<t)), differentiable in logits, 0 off the mask.
 
-        Computed once per batch in row chunks, so value and gradient estimators share it.
+        Computed once per batch in row chunks and kept in `token_kl`, so value and gradient estimators share it.
         """
-        if self.logits is None:
-            raise ValueError("rb needs the full next-token distributions: build KLBatch with logits= and ref_logits=")
-        if self._kappa is None:
-            self._kappa = exact_token_kl(self.logits, self.ref_logits, self.mask, self.chunk_rows).to(self.logp.dtype)
-        return self._kappa
+        if self.token_kl is None:
+            if self.logits is None:
+                raise ValueError("rb needs the full next-token distributions: build KLBatch with logits= and "
+                                 "ref_logits=")
+            self.token_kl = exact_token_kl(self.logits, self.ref_logits, self.mask, self.chunk_rows).to(self.logp.dtype)
+        return self.token_kl

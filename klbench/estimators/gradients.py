@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimator, control_variate, register, reward_to_go,
-                                     seq_sum)
+from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimate, Estimator, control_variate, register,
+                                     reward_to_go, seq_sum)
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.baselines import leave_one_out_mean
 
@@ -35,16 +35,15 @@ class NaiveCV(Estimator):
     level="sequence": L = rho + lam (exp(-rho) - 1); expected gradient lam * grad kl_ref_pi = lam * grad KL(pi_ref || pi).
     level="token":    L = sum_t [rho_t + lam (exp(-rho_t) - 1)]; expected gradient
                       lam * E_y[sum_t grad KL(pi_ref(.|y_<t) || pi(.|y_<t))], prefix held fixed.
-    level="token", lam=1 is the GRPO / verl low_var_kl / OpenRLHF k3 loss. With clamp=c the call
-    returns (surrogate, n_clamped).
+    level="token", lam=1 is the GRPO / verl low_var_kl / OpenRLHF k3 loss. With clamp=c,
+    `estimate(batch).n_clamped` counts the clamps that fired.
     """
 
     name = "naive_cv"
     defaults = {"lam": 1.0, "level": "token", "clamp": None}
 
-    def compute(self, batch: KLBatch):
-        v, n_clamped = control_variate(batch, self.lam, self.level, self.clamp)
-        return v if n_clamped is None else (v, n_clamped)
+    def compute(self, batch: KLBatch) -> Estimate:
+        return control_variate(batch, self.lam, self.level, self.clamp)
 
 
 @gradient

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from klbench.estimators.base import GRADIENT_ESTIMATORS, Estimator, register, reward_to_go, seq_sum
+from klbench.estimators.base import GRADIENT_ESTIMATORS, Estimate, Estimator, register, reward_to_go, seq_sum
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.baselines import leave_one_out_mean
 
@@ -92,8 +92,8 @@ class InReward(_Placement):
 
     form="sequence":     L_i = sg(W_i (v_i - b_i)) sum_t l_t,  b_i = mean_{j != i, same prompt} W_j v_j (loo) or 0
     form="reward_to_go": L_i = sum_t sg(sum_{s>=t} W_<=s v_s - W_<=t b_i) l_t   (per-token values only)
-    On-policy every W is exactly 1. max_weight=c truncates the weights at c; the call then returns
-    (surrogate, n_truncated) (sequences for form=sequence, tokens for reward_to_go).
+    On-policy every W is exactly 1. max_weight=c truncates the weights at c, and
+    `estimate(batch).n_clamped` counts the truncated ones (sequences for form=sequence, tokens for reward_to_go).
 
     Expected gradient, y ~ pi and also y ~ pi_old (untruncated weights): the score-function part of
     grad E_pi[v], i.e. grad E_pi[v] - E_pi[grad v]:
@@ -116,7 +116,7 @@ class InReward(_Placement):
         if self.form == "reward_to_go":
             self._per_token_needed("form='reward_to_go'")
 
-    def compute(self, batch: KLBatch):
+    def compute(self, batch: KLBatch) -> Estimate:
         terms, per_token = value_terms(batch, self.value, self.lam, self.level)
         terms = terms.detach()  # [B, T] or [B]: in the reward, no gradient through the value
         log_w = batch.log_w.detach()  # [B, T], exactly zero on-policy
@@ -138,7 +138,7 @@ class InReward(_Placement):
                 b = loo_mean(seq_sum(wv), batch.group, self.name)  # [B]
                 go = go - (b.unsqueeze(-1) if batch.old_logp is None else w * b.unsqueeze(-1))
             out = seq_sum(go * logp)
-        return out if n is None else (out, n)
+        return Estimate(out, n)
 
 
 @gradient
@@ -150,7 +150,7 @@ class InLoss(_Placement):
     ratio="sequence": L = W v
     ratio_grad="detached" puts the ratio under sg (OpenRLHF's unbiased_gradient weight); "differentiable"
     keeps its gradient, which changes the gradient even where the ratio is 1 (TRL use_bias_correction_kl,
-    token ratio). max_weight=c truncates the ratio at c; the call then returns (surrogate, n_truncated).
+    token ratio). max_weight=c truncates the ratio at c, and `estimate(batch).n_clamped` counts the truncations.
 
     Expected gradient (untruncated). "@old": the prefix-fixed partial gradient with prefixes drawn from
     pi_old, sum_p reach_old(p) grad KL(.|p); on-policy "@old" is the plain partial gradient.
@@ -182,7 +182,7 @@ class InLoss(_Placement):
     def supports_off_policy(self) -> bool:
         return self.ratio != "none"
 
-    def compute(self, batch: KLBatch):
+    def compute(self, batch: KLBatch) -> torch.Tensor | Estimate:
         terms, per_token = value_terms(batch, self.value, self.lam, self.level)  # differentiable
         if self.ratio == "none":
             return seq_sum(terms) if per_token else terms
@@ -196,4 +196,4 @@ class InLoss(_Placement):
             v = seq_sum(terms) if per_token else terms  # [B]
             w, n = _truncate(torch.exp(seq_sum(log_w)), torch.ones_like(v, dtype=torch.bool), self.max_weight)
             out = w * v
-        return out if n is None else (out, n)
+        return Estimate(out, n)

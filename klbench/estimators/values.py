@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from klbench.estimators.base import VALUE_ESTIMATORS, Estimator, control_variate, register, seq_sum
+from klbench.estimators.base import VALUE_ESTIMATORS, Estimate, Estimator, control_variate, register, seq_sum
 from klbench.estimators.batch import KLBatch
 
 value = register(VALUE_ESTIMATORS)
@@ -35,16 +35,16 @@ class CV(Estimator):
 
     level="token":    sum_t [rho_t + lam (exp(-rho_t) - 1)]   (lam=1 is Schulman's k3)
     level="sequence": rho + lam (exp(-rho) - 1)
-    With clamp=c the estimate is clamped to [-c, c] (per token or per sequence) and the
-    call returns (values, n_clamped) so that every clamp that fires is visible.
+    With clamp=c the estimate is clamped to [-c, c] (per token or per sequence), and
+    `estimate(batch).n_clamped` counts the clamps that fired, so that none goes unseen.
     """
 
     name = "cv"
     defaults = {"lam": 1.0, "level": "token", "clamp": None}
 
-    def compute(self, batch: KLBatch):
-        v, n_clamped = control_variate(batch, self.lam, self.level, self.clamp)
-        return v.detach() if n_clamped is None else (v.detach(), n_clamped)
+    def compute(self, batch: KLBatch) -> Estimate:
+        out = control_variate(batch, self.lam, self.level, self.clamp)
+        return Estimate(out.values.detach(), out.n_clamped)
 
 
 @value
@@ -53,12 +53,12 @@ class CVOpt(Estimator):
 
     lam* = -Cov(rho, e^-rho - 1) / Var(e^-rho - 1) over the batch (0 when that variance is 0, where every
     lam gives the same estimate). Unbiased only asymptotically, since lam* depends on the same samples.
-    The fitted multiplier of the last call is kept in `.fitted_lam`.
+    The multiplier fitted on a batch is `estimate(batch).fitted_lam`.
     """
 
     name = "cv_opt"
 
-    def compute(self, batch: KLBatch) -> torch.Tensor:
+    def compute(self, batch: KLBatch) -> Estimate:
         r = seq_sum(batch.rho.detach())  # [B]
         if r.numel() < 2:
             raise ValueError("cv_opt fits its multiplier on the batch and needs at least 2 sequences")
@@ -66,8 +66,7 @@ class CVOpt(Estimator):
         c_centered = c - c.mean()
         var = (c_centered ** 2).mean()
         lam = -((r - r.mean()) * c_centered).mean() / var if var > 0 else torch.zeros_like(var)
-        self.fitted_lam = float(lam)
-        return r + lam * c
+        return Estimate(r + lam * c, fitted_lam=float(lam))
 
 
 @value

@@ -87,23 +87,19 @@ class RLTask(pl.LightningModule):
     def total_loss(self, batch, loss_reward: torch.Tensor, where: str) -> tuple[torch.Tensor, int | None]:
         """reward_coef * the reward part + beta * the mean KL surrogate, and the estimator's clamp count (None
         without a clamp). A non-finite loss stops the run here, naming both parts, before it reaches the weights."""
-        surrogate = self.estimator(batch)
-        n_clamped = None
-        if isinstance(surrogate, tuple):
-            surrogate, n_clamped = surrogate
-        loss_kl = surrogate.mean()
+        est = self.estimator.estimate(batch)
+        loss_kl = est.values.mean()
         loss = self.cfg["reward_coef"] * loss_reward + self.beta * loss_kl
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite loss at {where}: reward part {loss_reward.item()}, "
                 f"KL surrogate {loss_kl.item()} (estimator {self.estimator!r}, beta {self.beta})")
-        return loss, n_clamped
+        return loss, est.n_clamped
 
     @torch.no_grad()
     def _log_train(self, batch, reward, ro, loss, n_clamped) -> None:
-        m = {f"train/kl_{label}": est(batch) for label, est in self.values.items() if label != "rb" or
-             batch.logits is not None}
-        m = {k: (v[0] if isinstance(v, tuple) else v).float().mean() for k, v in m.items()}
+        m = {f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
+             if label != "rb" or batch.logits is not None}
         m["train/reward"] = reward.mean()
         m["train/loss"] = loss.detach()
         m["train/response_len"] = batch.mask.sum(-1).float().mean()
