@@ -4,6 +4,9 @@ LMPolicy wraps any AutoModelForCausalLM pair (policy, frozen reference); Tabular
 enumerable tabular model so that the same Lightning module runs against exact ground truth.
 Sampling is always plain ancestral sampling at temperature 1 (no top-k/top-p): every estimator
 assumes y ~ pi exactly, and a truncated sampler would bias all of them.
+
+What is special about the tabular model lives here, behind the `Policy` interface: the tasks, the
+probe and the sweeps ask a policy for its prompt and its ground truth, never for its type.
 """
 from __future__ import annotations
 
@@ -14,10 +17,8 @@ from torch import nn
 
 from klbench.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
-from klbench.tabular import TabularModel
+from klbench.tabular import Frontier, TabularModel, TabularReward
 
-# the one implicit prompt of the tabular model: its prompt batches only set the batch shape
-TABULAR_PROMPT = "<tabular>"
 
 
 @dataclass
@@ -38,7 +39,44 @@ def response_mask(resp: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (is_eos.cumsum(-1) - is_eos) == 0
 
 
-class LMPolicy(nn.Module):
+class Policy(nn.Module):
+    """pi, trained, and pi_ref, frozen. Subclasses implement rollout, score, trainable, device and reference;
+    a policy whose truth is computable (the tabular model) also overrides the exact_* methods."""
+
+    # a policy that ignores prompts names the one prompt its batches repeat (they only set the batch
+    # shape); None: prompts come from the `dataset` group
+    fixed_prompt: str | None = None
+
+    def rollout(self, prompts: list[str], n: int) -> Rollout:
+        """n samples y ~ pi per prompt, ancestral at temperature 1."""
+        raise NotImplementedError
+
+    def score(self, ro: Rollout) -> KLBatch:
+        """log pi and log pi_ref (and their logits where the model gives them) of a rollout's responses."""
+        raise NotImplementedError
+
+    def trainable(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    def reference(self) -> "Policy":
+        """A policy of the same kind whose rollouts sample from pi_ref (the probe's baseline)."""
+        raise NotImplementedError
+
+    def exact_metrics(self, reward=None) -> dict[str, float]:
+        """The ground truth at the current parameters, where it is computable: seq_kl (kl_pi_ref), kl_ref_pi,
+        and with a reward the policy can enumerate, reward and frontier_gap. {} where it is not."""
+        return {}
+
+    def exact_frontier(self, reward):
+        """The exact optimal reward-vs-kl_pi_ref frontier (a klbench.tabular.Frontier), or None."""
+        return None
+
+    def exact_gradients(self) -> dict[str, torch.Tensor] | None:
+        """Exact gradients of kl_pi_ref, kl_ref_pi and the partial gradients (klbench.tabular), or None."""
+        return None
+
+
+class LMPolicy(Policy):
     def __init__(self, model, ref_model, tokenizer, max_new_tokens: int):
         super().__init__()
         self.model, self.ref, self.tok = model, ref_model, tokenizer
@@ -88,6 +126,9 @@ class LMPolicy(nn.Module):
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def reference(self) -> "LMPolicy":
+        return LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens)
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -99,13 +140,19 @@ def _token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, tokens).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
-class TabularPolicy(nn.Module):
-    """Logit table [P, K] in float64, starting at pi_ref (or `start`); prompts are ignored (one implicit prompt)."""
+class TabularPolicy(Policy):
+    """Logit table [P, K] in float64, starting at pi_ref (or `start`); prompts are ignored (one implicit prompt).
+
+    Everything is enumerable here, so the exact_* methods give the truth that sampled estimates are judged by.
+    """
+
+    fixed_prompt = "<tabular>"
 
     def __init__(self, model: TabularModel, start: torch.Tensor | None = None):
         super().__init__()
         self.table = model
         self.theta = nn.Parameter((model.ref_logits if start is None else start).clone())  # [P, K]
+        self._frontier = None  # (reward table, its Frontier): traced once, read at every validation
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int) -> Rollout:
@@ -113,7 +160,8 @@ class TabularPolicy(nn.Module):
         ids = torch.multinomial(probs, len(prompts) * n, replacement=True)  # [B*n]
         tokens = self.table.tokens[ids]
         mask = self.table.mask[ids]
-        texts = [" ".join(str(int(v)) for v in row[m]) for row, m in zip(tokens, mask)]
+        # lists first: iterating tensors element by element costs more than the whole training step
+        texts = [" ".join(str(v) for v, m in zip(row, keep) if m) for row, keep in zip(tokens.tolist(), mask.tolist())]
         group = torch.arange(len(prompts)).repeat_interleave(n)
         return Rollout(tokens, mask.long(), 0, mask, group, texts, [p for p in prompts for _ in range(n)], ids)
 
@@ -123,12 +171,36 @@ class TabularPolicy(nn.Module):
     def trainable(self) -> list[nn.Parameter]:
         return [self.theta]
 
+    def reference(self) -> "TabularPolicy":
+        return TabularPolicy(self.table, self.table.ref_logits)
+
     @property
     def device(self) -> torch.device:
         return self.theta.device
 
+    @torch.no_grad()
+    def exact_metrics(self, reward=None) -> dict[str, float]:
+        theta = self.theta.detach()
+        kl = float(self.table.kl_pi_ref(theta))
+        out = {"seq_kl": kl, "kl_ref_pi": float(self.table.kl_ref_pi(theta))}
+        frontier = self.exact_frontier(reward)
+        if frontier is not None:
+            r = float(self.table.expected_reward(theta, reward.table))
+            out.update({"reward": r, "frontier_gap": frontier.reward_gap(r, kl)})
+        return out
 
-def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teacher=None) -> nn.Module:
+    def exact_frontier(self, reward) -> Frontier | None:
+        if not isinstance(reward, TabularReward):  # no reward, or one that cannot be enumerated
+            return None
+        if self._frontier is None or self._frontier[0] is not reward.table:
+            self._frontier = (reward.table, self.table.pareto_frontier(reward.table))
+        return self._frontier[1]
+
+    def exact_gradients(self) -> dict[str, torch.Tensor]:
+        return self.table.exact_gradients(self.theta.detach())
+
+
+def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teacher=None) -> Policy:
     """The `model` group: tabular, the embedded GPT-2 (built once into the per-user cache), or any HF causal LM.
 
     cache_root: the embedded models' cache (paths.cache; None: klbench.embedded.cache_dir()).

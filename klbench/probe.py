@@ -309,25 +309,14 @@ def _sub_rollout(ro, rows: torch.Tensor):
                    None if ro.seq_ids is None else ro.seq_ids[rows])
 
 
-def reference_sampler(policy):
-    """An object whose rollout() samples from pi_ref (scored afterwards by `policy.score`, i.e. under pi)."""
-    from klbench.policies import LMPolicy, TabularPolicy
-    if isinstance(policy, TabularPolicy):
-        return TabularPolicy(policy.table, policy.table.ref_logits)
-    if isinstance(policy, LMPolicy):
-        return LMPolicy(policy.ref, policy.ref, policy.tok, policy.max_new_tokens)
-    raise ValueError(f"the probe cannot sample from the reference of a {type(policy).__name__}")
-
-
 def exact_reference(policy) -> dict | None:
-    """On the tabular model: the exact KL and the exact gradients of kl_pi_ref and kl_ref_pi; else None."""
-    from klbench.policies import TabularPolicy
-    if not isinstance(policy, TabularPolicy):
+    """Where the policy can enumerate its truth (tabular): the exact KL both ways and the exact gradients of
+    kl_pi_ref and kl_ref_pi; else None."""
+    grads = policy.exact_gradients()
+    if grads is None:
         return None
-    theta = policy.theta.detach()
-    grads = policy.table.exact_gradients(theta)
-    return {"kl": float(policy.table.kl_pi_ref(theta)), "kl_ref_pi": float(policy.table.kl_ref_pi(theta)),
-            "grads": {k: grads[k].flatten() for k in REFERENCES}}
+    exact = policy.exact_metrics()
+    return {"kl": exact["seq_kl"], "kl_ref_pi": exact["kl_ref_pi"], "grads": {k: grads[k].flatten() for k in REFERENCES}}
 
 
 def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor], retain: bool) -> torch.Tensor:
@@ -465,7 +454,7 @@ def _lm_references(policy, prompts, cfg: ProbeConfig, params, vec, dim, progress
     rb_value, rb_grad = value_estimator("rb"), gradient_estimator("rb")
     w_pi, w_ref = Welford(dim, policy.device), Welford(dim, policy.device)
     kl = []  # K x [P]
-    ref_sampler = reference_sampler(policy)
+    ref_sampler = policy.reference()  # samples from pi_ref, scored afterwards under pi by policy.score
     iterator = range(cfg.ref_batches)
     if progress:
         from tqdm import tqdm

@@ -1,7 +1,9 @@
-"""Sequence-level rewards: texts in, one float per text out.
+"""Sequence-level rewards: a rollout in, one float per sampled response out.
 
-    VaderReward()(texts) -> [B] VADER compound score in [-1, 1] (offline, the embedded default)
-    HFClassifierReward(name_or_path, label)(texts) -> [B] raw logit (or probability) of `label`
+    reward(rollout) -> [B]                  what the RL task calls (klbench.policies.Rollout)
+    VaderReward().score_texts(texts) -> [B] VADER compound score in [-1, 1] (offline, the embedded default)
+    HFClassifierReward(name_or_path, label).score_texts(texts) -> [B] raw logit (or probability) of `label`
+    klbench.tabular.TabularReward           a reward table over the tabular model's sequences (rollout.seq_ids)
 
 The paper's RLHF reward is the raw logit of the POSITIVE class of
 lvwerra/distilbert-imdb; HFClassifierReward(..., score="logit") is exactly that.
@@ -13,7 +15,17 @@ import inspect
 import torch
 
 
-class VaderReward:
+class TextReward:
+    """A reward of the decoded responses: `reward(ro)` scores `ro.texts` with `score_texts`."""
+
+    def __call__(self, ro) -> torch.Tensor:
+        return self.score_texts(ro.texts)
+
+    def score_texts(self, texts: list[str]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class VaderReward(TextReward):
     """VADER compound sentiment: a lexicon and rules, no model download, ~30 us per short text."""
 
     def __init__(self):
@@ -21,14 +33,14 @@ class VaderReward:
 
         self.analyzer = SentimentIntensityAnalyzer()
 
-    def __call__(self, texts: list[str]) -> torch.Tensor:
+    def score_texts(self, texts: list[str]) -> torch.Tensor:
         if isinstance(texts, str):
             raise TypeError("VaderReward expects a list of texts, got a single str")
         scores = [self.analyzer.polarity_scores(t)["compound"] for t in texts]
         return torch.tensor(scores, dtype=torch.float32)  # [B]
 
 
-class HFClassifierReward:
+class HFClassifierReward(TextReward):
     """A Hugging Face sequence classifier as reward.
 
     label: a name from model.config.id2label (e.g. "POSITIVE") or a class index.
@@ -69,7 +81,7 @@ class HFClassifierReward:
                          f"model.config.id2label = {id2label}")
 
     @torch.no_grad()
-    def __call__(self, texts: list[str]) -> torch.Tensor:
+    def score_texts(self, texts: list[str]) -> torch.Tensor:
         if isinstance(texts, str):
             raise TypeError("HFClassifierReward expects a list of texts, got a single str")
         out = []

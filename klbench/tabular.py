@@ -351,5 +351,6 @@ class TabularReward:
         gen = torch.Generator().manual_seed(seed)
         self.table = scale * torch.randn(model.N, generator=gen, dtype=DTYPE)  # [N]
 
-    def __call__(self, seq_ids: torch.Tensor) -> torch.Tensor:
-        return self.table[seq_ids.cpu()]
+    def __call__(self, ro) -> torch.Tensor:
+        """[B] the rewards of a rollout of klbench.policies.TabularPolicy, by its sequence ids."""
+        return self.table[ro.seq_ids.cpu()]

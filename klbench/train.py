@@ -17,7 +17,7 @@ with lean.lightning():  # without torchmetrics' transformers, scipy and matplotl
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from klbench import console, progress, resume, tracking
-from klbench.policies import TABULAR_PROMPT, TabularPolicy, build_policy
+from klbench.policies import build_policy
 from klbench.rewards import build_reward
 from klbench.schema import validate
 from klbench.tasks import build_task
@@ -41,12 +41,13 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError("hardware.precision=bf16 but this GPU does not support bfloat16")
 
 
-def build_data(cfg: DictConfig, policy) -> pl.LightningDataModule:
+def build_data(cfg: DictConfig, fixed_prompt: str | None = None) -> pl.LightningDataModule:
+    """The `dataset` group's prompts, or for a policy that ignores prompts (Policy.fixed_prompt) its one prompt."""
     from klbench.data import PromptData, load_prompts
     t = cfg.task
-    if isinstance(policy, TabularPolicy):  # one implicit prompt; the data only sets the batch shape
+    if (prompt := fixed_prompt) is not None:  # the data only sets the batch shape
         # many batches per epoch, so every DDP process gets full batches after the sampler splits them
-        return PromptData([TABULAR_PROMPT] * t.prompts_per_step * 64, [TABULAR_PROMPT] * t.val_prompts,
+        return PromptData([prompt] * t.prompts_per_step * 64, [prompt] * t.val_prompts,
                           t.prompts_per_step, t.val_prompts, cfg.seed)
     train, val = load_prompts(cfg.dataset)
     return PromptData(train, val, t.prompts_per_step, t.val_prompts, cfg.seed)
@@ -93,7 +94,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"))
     reward = build_reward(cfg.reward, policy)
     module = build_task(cfg, policy, reward)
-    data = build_data(cfg, policy)
+    data = build_data(cfg, policy.fixed_prompt)
     logger = tracking.build_logger(cfg, resume=ckpt_path is not None)
     if payload is not None and isinstance(logger, tracking.RecordLogger):
         logger.restore(payload["pending_metrics"])

@@ -48,9 +48,9 @@ def test_corpus_is_deterministic_and_seeded():
 
 
 def test_corpus_has_both_sentiments(vader):
-    r = vader(generate_reviews(400, seed=0))
+    r = vader.score_texts(generate_reviews(400, seed=0))
     assert (r > 0.05).float().mean() > 0.35 and (r < -0.05).float().mean() > 0.25
-    skewed = vader(generate_reviews(400, seed=0, positive_fraction=1.0))
+    skewed = vader.score_texts(generate_reviews(400, seed=0, positive_fraction=1.0))
     assert skewed.mean() > r.mean() + 0.2  # positive_fraction moves the sentiment
     with pytest.raises(ValueError, match="positive_fraction"):
         generate_reviews(3, positive_fraction=1.5)
@@ -60,7 +60,7 @@ def test_prompts_split_and_neutral(vader):
     train, val = embedded_prompts("train"), embedded_prompts("val")
     assert len(train) >= 128 and len(val) >= 32
     assert not set(train) & set(val)
-    assert (vader(train + val) == 0).all()  # openings carry no sentiment of their own
+    assert (vader.score_texts(train + val) == 0).all()  # openings carry no sentiment of their own
     reviews = generate_reviews(2000, seed=0)
     assert any(r.startswith(val[0] + " ") for r in reviews)  # val prompts are in-distribution prefixes
     with pytest.raises(ValueError, match="split"):
@@ -270,7 +270,7 @@ def test_spec_hash_depends_on_spec_and_code_version(tmp_path, monkeypatch):
 
 
 def test_vader_sign(vader):
-    r = vader(["This movie was wonderful, I loved it.", "A terrible, boring waste of time.", "It runs two hours."])
+    r = vader.score_texts(["This movie was wonderful, I loved it.", "A terrible, boring waste of time.", "It runs two hours."])
     assert r.shape == (3,) and r.dtype == torch.float32
     assert r[0] > 0.5 and r[1] < -0.5 and r[2] == 0
 
@@ -289,11 +289,21 @@ def tiny_classifier(tmp_path_factory, tok):
     return path
 
 
+def test_text_rewards_score_a_rollouts_texts(vader):
+    """The RL task calls reward(rollout): a text reward scores rollout.texts, in order."""
+    from klbench.policies import Rollout
+    texts = ["This movie was wonderful.", "A terrible waste of time.", "It runs two hours."]
+    ro = Rollout(torch.zeros(3, 1), torch.ones(3, 1), 0, torch.ones(3, 1, dtype=torch.bool), torch.arange(3),
+                 texts, ["p"] * 3)
+    torch.testing.assert_close(vader(ro), vader.score_texts(texts))
+    assert vader(ro)[0] > 0 > vader(ro)[1]
+
+
 def test_hf_classifier_reward(tiny_classifier):
     texts = ["The movie was great.", "Awful.", "I watched it twice and it was a mess."]
-    logit = HFClassifierReward(tiny_classifier, "POSITIVE", batch_size=2)(texts)
+    logit = HFClassifierReward(tiny_classifier, "POSITIVE", batch_size=2).score_texts(texts)
     assert logit.shape == (3,) and torch.isfinite(logit).all()
-    prob = HFClassifierReward(tiny_classifier, 1, score="prob")(texts)
+    prob = HFClassifierReward(tiny_classifier, 1, score="prob").score_texts(texts)
     assert ((prob > 0) & (prob < 1)).all()
     with pytest.raises(ValueError, match="NEGATIVE"):  # the message lists id2label
         HFClassifierReward(tiny_classifier, "positive")

@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from klbench.policies import LMPolicy, TabularPolicy, build_policy
+from klbench.policies import LMPolicy, Rollout, TabularPolicy, build_policy
 from klbench.rewards import build_reward
 from klbench.tasks import build_task
 from klbench.train import build_data, build_trainer, check_config
@@ -64,7 +64,7 @@ def test_dataset_options_build(tmp_path, option):
         d.save_to_disk(str(tmp_path / "ds"))
         over += [f"dataset.name={tmp_path}/ds", "dataset.prompt_words=3"]
     cfg = compose_cfg(tmp_path, over)
-    data = build_data(cfg, policy=None)
+    data = build_data(cfg)
     batch = next(iter(data.train_dataloader()))
     assert len(batch) == cfg.task.prompts_per_step and all(isinstance(p, str) and p for p in batch)
     assert len(data.val) > 0
@@ -84,8 +84,13 @@ def test_reward_options_build(tmp_path, option, tiny_classifier_dir):
     if option == "none":
         assert reward is None
         return
-    arg = torch.arange(3) if option == "tabular" else ["a wonderful film", "an awful film", "a film"]
-    r = reward(arg)
+    if option == "tabular":
+        ro = policy.rollout([policy.fixed_prompt], 3)
+    else:
+        texts = ["a wonderful film", "an awful film", "a film"]
+        ro = Rollout(torch.zeros(3, 1), torch.ones(3, 1), 0, torch.ones(3, 1, dtype=torch.bool), torch.arange(3),
+                     texts, ["p"] * 3)
+    r = reward(ro)
     assert r.shape == (3,) and torch.isfinite(r).all()
     if option == "vader":
         assert r[0] > 0 > r[1]

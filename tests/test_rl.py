@@ -54,7 +54,7 @@ def test_tabular_val_seq_kl_is_exact(tmp_path):
     module = build_task(cfg, policy, build_reward(cfg.reward, policy))
     exact = module._exact_metrics({"val/reward": 0.0, "val/seq_kl": 0.0})
     assert math.isclose(exact["val/seq_kl"], float(policy.table.kl_pi_ref(policy.theta.detach())), rel_tol=1e-12)
-    assert exact["val/seq_kl"] > 0.1 and build_data(cfg, policy).val
+    assert exact["val/seq_kl"] > 0.1 and build_data(cfg, policy.fixed_prompt).val
 
 
 def test_tiny_lm_rl_run_logs_to_mlflow(tmp_path, tiny_lm_dir):

@@ -6,14 +6,10 @@ from omegaconf import DictConfig, OmegaConf
 
 def build_task(cfg: DictConfig, policy, reward):
     """The `task` group: one LightningModule class per task name."""
-    from klbench.policies import TabularPolicy
     from klbench.tasks.rl import RLTask
-    frontier = None
-    if isinstance(policy, TabularPolicy) and reward is not None:
-        frontier = policy.table.pareto_frontier(reward.table)
     est = OmegaConf.to_container(cfg.estimator, resolve=True)
     task = OmegaConf.to_container(cfg.task, resolve=True)
     if cfg.task.name in ("rl", "distill"):  # distillation is RL with beta = 1 and (by default) no reward
         kl_ctl = OmegaConf.to_container(cfg.kl_ctl, resolve=True) if "kl_ctl" in cfg else None
-        return RLTask(policy, reward, est, task, frontier, kl_ctl)
+        return RLTask(policy, reward, est, task, kl_ctl)
     raise ValueError(f"task.name={cfg.task.name!r} is unknown; valid: rl, distill, pretrain")

@@ -54,9 +54,8 @@ def load_policy_weights(policy, path: str, cfg: DictConfig) -> int:
 
 
 def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
-    from klbench.policies import TABULAR_PROMPT, TabularPolicy
-    if isinstance(policy, TabularPolicy):  # one implicit prompt: n independent groups of samples
-        return [TABULAR_PROMPT] * n
+    if policy.fixed_prompt is not None:  # one implicit prompt: n independent groups of samples
+        return [policy.fixed_prompt] * n
     from klbench.data import load_prompts
     _, val = load_prompts(cfg.dataset)
     if len(val) < n:

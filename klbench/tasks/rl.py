@@ -17,7 +17,7 @@ from klbench.estimators.baselines import rloo_advantage
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.kl_control import build_kl_control
-from klbench.policies import Rollout, TabularPolicy
+from klbench.policies import Policy, Rollout
 from klbench.tasks.offpolicy import off_policy_step
 
 # train/kl_<label>: value estimator name and options, all on the same batch
@@ -25,10 +25,9 @@ LOGGED_VALUES = REPORTED_VALUES
 
 
 class RLTask(pl.LightningModule):
-    def __init__(self, policy, reward_fn, estimator_cfg: dict, task_cfg: dict, frontier=None,
-                 kl_ctl_cfg: dict | None = None):
+    def __init__(self, policy: Policy, reward_fn, estimator_cfg: dict, task_cfg: dict, kl_ctl_cfg: dict | None = None):
         super().__init__()
-        self.policy, self.reward_fn, self.frontier = policy, reward_fn, frontier
+        self.policy, self.reward_fn = policy, reward_fn
         opts = {k: v for k, v in estimator_cfg.items() if k not in ("name", "beta")}
         self.estimator = gradient_estimator(estimator_cfg["name"], **opts)
         # beta lives in the controller (klbench/kl_control.py): estimator.beta when kl_ctl=fixed
@@ -46,7 +45,7 @@ class RLTask(pl.LightningModule):
     def rewards(self, ro: Rollout) -> torch.Tensor:
         if self.reward_fn is None:
             return torch.zeros(len(ro.texts), device=self.device)
-        r = self.reward_fn(ro.seq_ids if ro.seq_ids is not None else ro.texts)
+        r = self.reward_fn(ro)
         return r.to(self.device, torch.float32)
 
     def training_step(self, prompts: list[str], batch_idx: int) -> torch.Tensor:
@@ -160,8 +159,7 @@ class RLTask(pl.LightningModule):
         reward, kl, n_tok, n = totals.tolist()
         m = {"val/reward": reward / n, "val/seq_kl": kl / n, "val/token_kl": kl / max(n_tok, 1),
              "val/response_len": n_tok / n}
-        if isinstance(self.policy, TabularPolicy):
-            m.update(self._exact_metrics(m))
+        m.update(self._exact_metrics(m))
         # logged at the number of optimiser steps taken (Lightning would use that number minus one)
         self.log_dict(m, logger=False, sync_dist=True)  # already identical on every process
         if self.trainer.is_global_zero and self.logger is not None:
@@ -175,14 +173,13 @@ class RLTask(pl.LightningModule):
             self.logger.log_metrics(probe, step=self.global_step)
 
     def _exact_metrics(self, sampled: dict[str, float]) -> dict[str, float]:
-        """On the tabular model the truth is computable: report it, keeping the sampled estimates beside it."""
-        table, theta = self.policy.table, self.policy.theta.detach()
-        kl = float(table.kl_pi_ref(theta))
-        out = {"val/seq_kl": kl, "val/seq_kl_sampled": sampled["val/seq_kl"], "val/kl_ref_pi": float(table.kl_ref_pi(theta))}
-        if self.reward_fn is not None:
-            reward = float(table.expected_reward(theta, self.reward_fn.table))
-            out.update({"val/reward": reward, "val/reward_sampled": sampled["val/reward"],
-                        "val/frontier_gap": self.frontier.reward_gap(reward, kl)})
+        """Where the truth is computable (the tabular model) it is reported under the metric's own name, and the
+        sampled estimate it replaces under <name>_sampled; elsewhere nothing."""
+        out = {}
+        for key, value in self.policy.exact_metrics(self.reward_fn).items():
+            if f"val/{key}" in sampled:
+                out[f"val/{key}_sampled"] = sampled[f"val/{key}"]
+            out[f"val/{key}"] = value
         return out
 
     # ---- checkpoints: RNG state travels with the step and the optimizer ----
