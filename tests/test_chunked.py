@@ -101,7 +101,7 @@ def test_rb_estimators_match_unchunked_formula(dtype, tol):
     torch.testing.assert_close(grad, grad_n, rtol=tol, atol=tol * float(grad_n.abs().max()))
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 3, None])
+@pytest.mark.parametrize("chunk_rows", [1, 3, B * (T - 1), None])  # B * (T - 1) rows: exactly one block
 def test_mask_with_holes_and_strided_logits(chunk_rows):
     # logits[:, :-1] of a model output is a strided view, and multi-turn masks have holes mid-sequence
     full, ref_full, mask, weight = _inputs(torch.float32, seed=3)
@@ -115,6 +115,20 @@ def test_mask_with_holes_and_strided_logits(chunk_rows):
     torch.testing.assert_close(kappa, kappa_n, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, grad_n, rtol=1e-5, atol=1e-6 * float(grad_n.abs().max()))
     assert (kappa[~mask] == 0).all() and (grad[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 1000])  # per sequence, and the whole batch as one block
+def test_non_finite_padding_never_reaches_value_or_gradient(chunk_rows):
+    """Padding rows are never part of the answer: an inf or NaN logit there (a model's output beyond EOS)
+    changes neither the KL nor the gradient of the real rows."""
+    logits, ref_logits, mask, weight = _inputs(torch.float32, seed=5)
+    kappa_clean, grad_clean = _value_and_grad(exact_token_kl, logits, ref_logits, mask, weight, chunk_rows=chunk_rows)
+    logits[1, 25] = float("nan")  # row 1 is padding from t = 20
+    ref_logits[1, 30, 0] = float("inf")
+    kappa, grad = _value_and_grad(exact_token_kl, logits, ref_logits, mask, weight, chunk_rows=chunk_rows)
+    assert torch.equal(kappa, kappa_clean) and torch.equal(grad, grad_clean)
+    entropy = exact_token_entropy(logits, mask, chunk_rows)
+    assert torch.isfinite(entropy).all() and (entropy[~mask] == 0).all()
 
 
 def test_empty_mask():
@@ -132,7 +146,7 @@ def test_default_chunk_rows_is_resolved_by_the_batch():
     torch.testing.assert_close(batch.kappa, exact_token_kl(logits, ref_logits, mask, chunk_rows=7))
 
 
-@pytest.mark.parametrize("chunk_rows", [1, None])
+@pytest.mark.parametrize("chunk_rows", [1, 1000, None])
 def test_entropy_matches_formula(chunk_rows):
     logits, _, mask, _ = _inputs(torch.bfloat16)
     logp = torch.log_softmax(logits.float(), -1)  # [B, T, V]

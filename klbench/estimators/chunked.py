@@ -6,6 +6,10 @@ the [B, T] result and backward recomputes each chunk, so peak memory stays near
 the logits themselves plus one [chunk, V] float32 working set per model. Small
 chunks are also faster on CPU: the working set stays in cache, where the naive
 version streams every [B, T, V] intermediate through main memory.
+
+A batch whose B * T rows fit in one chunk (small vocabularies: the tabular model, tests) is one block,
+padding rows included and masked out of the result and the gradient: a loop over sequences would cost
+more Python than arithmetic there.
 """
 from __future__ import annotations
 
@@ -38,18 +42,32 @@ def _pieces(mask: torch.Tensor, chunk_rows: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _pieces_or_whole(mask: torch.Tensor, chunk_rows: int) -> list[tuple] | None:
+    """None when every row fits in one chunk (then the whole [B, T, V] is one block), else _pieces."""
+    return None if mask.numel() <= chunk_rows else _pieces(mask, chunk_rows)
+
+
 def _chunk_logprobs(logits, ref_logits, b, t0, t1, acc):
     return (torch.log_softmax(logits[b, t0:t1].to(acc), -1),  # [c, V]
             torch.log_softmax(ref_logits[b, t0:t1].to(acc), -1))  # [c, V]
+
+
+def _whole_logprobs(logits, ref_logits, acc):
+    return torch.log_softmax(logits.to(acc), -1), torch.log_softmax(ref_logits.to(acc), -1)  # [B, T, V] each
 
 
 class _ExactTokenKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ref_logits, mask, chunk_rows):
         acc = _accum_dtype(logits.dtype)
-        pieces = _pieces(mask, chunk_rows)
-        out = torch.zeros(mask.shape, dtype=acc, device=logits.device)  # [B, T]
-        for b, t0, t1 in pieces:
+        pieces = _pieces_or_whole(mask, chunk_rows)
+        if pieces is None:
+            logp, logq = _whole_logprobs(logits, ref_logits, acc)
+            kl = logp.exp().mul_(logp.sub_(logq)).sum(-1)  # [B, T]
+            out = torch.where(mask, kl, torch.zeros((), dtype=acc, device=kl.device))  # padding may be non-finite
+        else:
+            out = torch.zeros(mask.shape, dtype=acc, device=logits.device)  # [B, T]
+        for b, t0, t1 in pieces or ():
             logp, logq = _chunk_logprobs(logits, ref_logits, b, t0, t1, acc)
             p = logp.exp()
             out[b, t0:t1] = p.mul_(logp.sub_(logq)).sum(-1)  # in place: no third [c, V] temporary
@@ -57,16 +75,22 @@ class _ExactTokenKL(torch.autograd.Function):
         # finite), so one check of the [B, T] result replaces an isfinite pass over every chunk
         if not torch.isfinite(out).all():
             raise ValueError("KLBatch.logits or ref_logits has non-finite values on masked-in tokens")
-        ctx.save_for_backward(logits, ref_logits, out)
+        ctx.save_for_backward(logits, ref_logits, out, mask)
         ctx.pieces = pieces
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        logits, ref_logits, out = ctx.saved_tensors
+        logits, ref_logits, out, mask = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         acc = _accum_dtype(logits.dtype)
+        if ctx.pieces is None:  # one block: the same formula as below, padding rows zeroed (never NaN)
+            logp, logq = _whole_logprobs(logits, ref_logits, acc)
+            p = logp.exp()  # before logp is overwritten in place
+            g = logp.sub_(logq).sub_(out.unsqueeze(-1)).mul_(p).mul_(grad_out.to(acc).unsqueeze(-1))
+            return torch.where(mask.unsqueeze(-1), g, torch.zeros((), dtype=acc, device=g.device)).to(logits.dtype), \
+                None, None, None
         grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)  # [B, T, V]
         for b, t0, t1 in ctx.pieces:
             logp, logq = _chunk_logprobs(logits, ref_logits, b, t0, t1, acc)
@@ -102,8 +126,12 @@ def exact_token_entropy(logits: torch.Tensor, mask: torch.Tensor, chunk_rows: in
     """[B, T] entropy of pi(.|y_<t) in nats, zero off the mask; chunked like exact_token_kl, no gradient."""
     acc = _accum_dtype(logits.dtype)
     rows = default_chunk_rows(logits.shape[-1], logits.device) if chunk_rows is None else int(chunk_rows)
+    pieces = _pieces_or_whole(mask, rows)
+    if pieces is None:
+        logp = torch.log_softmax(logits.to(acc), -1)  # [B, T, V]
+        return torch.where(mask, -(logp.exp() * logp).sum(-1), torch.zeros((), dtype=acc, device=logp.device))
     out = torch.zeros(mask.shape, dtype=acc, device=logits.device)
-    for b, t0, t1 in _pieces(mask, rows):
+    for b, t0, t1 in pieces:
         logp = torch.log_softmax(logits[b, t0:t1].to(acc), -1)  # [c, V]
         out[b, t0:t1] = -(logp.exp() * logp).sum(-1)
     return out
