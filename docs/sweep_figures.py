@@ -5,12 +5,11 @@
 
 Unlike `klbench-pareto`, it draws the exact frontier for tabular sweeps and reports each
 estimator's distance to it. The store is $MLFLOW_TRACKING_URI, else outputs/mlflow.db under
-$KLBENCH_OUTPUTS or the current folder.
+$KLBENCH_OUTPUTS or the current folder (klbench.store.tracking_uri, as for klbench runs).
 """
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from statistics import mean, median
 
@@ -23,11 +22,10 @@ def main() -> None:
     p.add_argument("--title", default=None)
     args = p.parse_args()
 
-    from mlflow import MlflowClient
-
-    from klbench.pareto import collect_runs, format_table, plot_pareto, summarize
-    outputs = Path(os.environ.get("KLBENCH_OUTPUTS", "outputs")).resolve()
-    client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{outputs}/mlflow.db")
+    from klbench.frontier import format_table, summarize
+    from klbench.mlflow_io import collect_runs, open_client
+    from klbench.plots import plot_pareto
+    client, _ = open_client()
     runs = collect_runs(client, args.experiment)
     print(f"runs: {runs.describe()}")
     frontier = tabular_frontier() if args.model == "tabular" else None
@@ -56,7 +54,7 @@ def gap_table(recs: list[dict], frontier) -> None:
 
 def tabular_frontier():
     """The exact frontier of the default tabular experiment, built as the sweep callback builds it."""
-    from klbench.callbacks import exact_frontier
+    from klbench.sweep.exact import exact_frontier
     from klbench.compose import compose
     return exact_frontier(compose(["experiment=tabular"]))
 

@@ -1,6 +1,6 @@
 """What klbench prints: each message once, no library chatter a user cannot act on, and where the results are.
 
-`setup()` runs at the start of every run (klbench.train.run) and of every sweep (klbench.callbacks). Everything silenced here is named by its logger or its message, one entry per notice;
+`setup()` runs at the start of every run (klbench.train.run) and of every sweep (klbench.sweep.callback). Everything silenced here is named by its logger or its message, one entry per notice;
 KLBENCH_VERBOSE=1 brings all of it back (docs/console.md).
 
 No torch, Lightning, transformers or MLflow imports here: filters are set on logger names and warning
@@ -30,7 +30,7 @@ QUIET_LOGS: dict[str, tuple[str, ...]] = {
         "We strongly recommend passing in an `attention_mask`",
     ),
     # the Optuna sweeper's unlabelled "Values: [1.79, 4.35], Params: {...}" lines; the sweep callback
-    # prints the same trials labelled (klbench.callbacks.print_pareto_trials)
+    # prints the same trials labelled (klbench.sweep.parent.print_pareto_trials)
     "hydra_plugins.hydra_optuna_sweeper._impl": ("Number of Pareto solutions: ", "    Values: "),
     # klbench opens the study itself just before the sweeper does, so this shows at every sweep, a new
     # study included; klbench's own line says how many of its trials are done

@@ -21,6 +21,7 @@ HOST, PID, PID_START = "klbench.host", "klbench.pid", "klbench.pid_start"
 SLURM_JOB = "klbench.slurm_job"  # <array job>_<task> for an array task, else the job id
 STEPS_DONE, MAX_STEPS = "klbench.steps_done", "klbench.max_steps"
 ERROR, ENDED = "klbench.error", "klbench.ended"
+RUN_ID_FILE = "mlflow_run_id.txt"  # in a run's folder: its MLflow run id, so a resume continues that run
 
 
 def _start_time(pid: int) -> str | None:

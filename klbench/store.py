@@ -1,9 +1,9 @@
 """Where the record lives, and opening it safely.
 
 One place resolves the outputs folder and the MLflow tracking URI for every command (runs, sweeps,
-`klbench-pareto`). A SQLite store is created or checked exactly once per process, under an
-inter-process file lock next to the database: MLflow migrates a fresh database on first open, and
-parallel first opens race on that migration and can leave it half-done.
+`klbench-pareto`, `klbench-distill-report`). A SQLite store is created or checked exactly once per
+process, under an inter-process file lock next to the database: MLflow migrates a fresh database on
+first open, and parallel first opens race on that migration and can leave it half-done.
 
 No torch, Lightning or Hydra here; MLflow loads only when a store has to be created.
 

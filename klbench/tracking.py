@@ -25,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from klbench import runs, store
 
-RUN_ID_FILE = "mlflow_run_id.txt"
 CKPT_KEY = "klbench"  # the checkpoint's own section: config, pending metrics, step
 
 
@@ -148,7 +147,7 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     exp_id = store.ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
     client = mlflow.MlflowClient(lg.tracking_uri)
     runs.reap(client, [exp_id], noticed_by=f"a run starting (pid {os.getpid()})")
-    id_file = os.path.join(run_dir, RUN_ID_FILE)
+    id_file = os.path.join(run_dir, runs.RUN_ID_FILE)
     tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.get("max_steps", 1))}  # task=probe: one step
     if resume and os.path.isfile(id_file):
         run_id = open(id_file).read().strip()

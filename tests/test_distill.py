@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from klbench import distill_report as dr
+from klbench import distill_report
+from klbench.artifacts import REPORT_FILES, write_report
+from klbench.distill_curves import aggregate, summary_rows
+from klbench.mlflow_io import REPORT_TAG, collect_curves, log_report
+from klbench.runs import RUN_ID_FILE
+from klbench.sweep.distill import DistillReport
 from klbench.tabular import TabularModel
 from klbench.train import run
 from tiny_lms import save_sharpened_variant
@@ -177,13 +182,13 @@ def synthetic_store(tmp_path, synthetic_db):
 
 def test_report_means_ratios_and_files(tmp_path, synthetic_store):
     client, exp, ids = synthetic_store
-    curves, skipped = dr.collect_curves(client, experiment_id=exp)
+    curves, skipped = collect_curves(client, experiment_id=exp)
     assert sorted((c.estimator, c.seed) for c in curves) == sorted(ids)
     assert list(skipped) == ["status FAILED"]
-    bands = dr.aggregate(curves)
+    bands = aggregate(curves)
     assert list(bands) == ["token", "rb"]  # ORDER, not insertion order
     assert bands["rb"].values.shape == (3, 3) and list(bands["rb"].steps) == [0, 10, 20]
-    rows = {(r["estimator"], r["step"]): r for r in dr.summary_rows(bands, [0, 10, 20])}
+    rows = {(r["estimator"], r["step"]): r for r in summary_rows(bands, [0, 10, 20])}
     for est, runs in SYNTH.items():
         arr = np.array(runs)  # [seed, step]
         for i, step in enumerate((0, 10, 20)):
@@ -194,7 +199,7 @@ def test_report_means_ratios_and_files(tmp_path, synthetic_store):
     assert math.isclose(rows[("rb", 20)]["ratio_to_token"], 1.0 / 4.0)
     assert rows[("token", 20)]["ratio_to_token"] == 1.0
 
-    rep = dr.write_report(curves, tmp_path / "report", steps=[10, 20])
+    rep = write_report(curves, tmp_path / "report", steps=[10, 20])
     assert rep["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and rep["png"].stat().st_size > 10_000
     md = rep["md"].read_text()
     assert "| rb | 3 | 3.000 ± 1.000 (0.50x) | 1.000 ± 0.500 (0.25x) |" in md
@@ -206,17 +211,17 @@ def test_report_means_ratios_and_files(tmp_path, synthetic_store):
 
 def test_log_report_makes_a_parent_run_and_recomputation_skips_it(tmp_path, synthetic_store):
     client, exp, ids = synthetic_store
-    curves, _ = dr.collect_curves(client, experiment_id=exp)
-    run_id, _ = dr.log_report(client, exp, curves, tmp_path / "rep", "synthetic")
+    curves, _ = collect_curves(client, experiment_id=exp)
+    run_id, _ = log_report(client, exp, curves, tmp_path / "rep", "synthetic")
     rep = client.get_run(run_id)
     assert rep.info.status == "FINISHED" and rep.info.run_name == "distill-report"
-    assert {a.path for a in client.list_artifacts(run_id)} == set(dr.FILES)
+    assert {a.path for a in client.list_artifacts(run_id)} == set(REPORT_FILES)
     mean_rb = {m.step: m.value for m in client.get_metric_history(run_id, "report/seq_kl/rb")}
     assert mean_rb == pytest.approx({0: 8.0, 10: 3.0, 20: 1.0})
     ratio = {m.step: m.value for m in client.get_metric_history(run_id, "report/ratio_to_token/rb")}
     assert ratio == pytest.approx({0: 1.0, 10: 0.5, 20: 0.25})
     assert all(client.get_run(r).data.tags["mlflow.parentRunId"] == run_id for r in ids.values())
-    again, _ = dr.collect_curves(client, parent_run_id=run_id)  # the report's children are the trials
+    again, _ = collect_curves(client, parent_run_id=run_id)  # the report's children are the trials
     assert sorted(c.run_id for c in again) == sorted(ids.values())
 
 
@@ -227,13 +232,14 @@ def test_callback_reports_the_sweep_folder(tmp_path, synthetic_store):
     sweep = tmp_path / "sweep"
     for n, rid in enumerate(ids.values()):
         (sweep / str(n)).mkdir(parents=True)
-        (sweep / str(n) / dr.RUN_ID_FILE).write_text(rid + "\n")
+        (sweep / str(n) / RUN_ID_FILE).write_text(rid + "\n")
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}, "model": {"kind": "tabular"},
                             "logger": {"kind": "mlflow", "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
                                        "experiment": "distill-synth", "artifact_root": "unused: the experiment exists"}})
-    dr.DistillReport(steps=[0, 20]).on_multirun_end(cfg)
-    assert "| rb | 3 | 8.000 ± 0.000 (1.00x) | 1.000 ± 0.500 (0.25x) |" in (sweep / "report" / dr.FILES[1]).read_text()
-    reports = client.search_runs([exp], f"tags.`{dr.REPORT_TAG}` = 'distill'")
+    DistillReport(steps=[0, 20]).on_multirun_end(cfg)
+    md = (sweep / "report" / REPORT_FILES[1]).read_text()
+    assert "| rb | 3 | 8.000 ± 0.000 (1.00x) | 1.000 ± 0.500 (0.25x) |" in md
+    reports = client.search_runs([exp], f"tags.`{REPORT_TAG}` = 'distill'")
     assert len(reports) == 1 and reports[0].data.tags["klbench.report.sources"] == f"sweep_dir={sweep}"
 
 
@@ -241,10 +247,25 @@ def test_cli_recomputes_from_an_experiment(tmp_path, synthetic_store, capsys):
     out = tmp_path / "cli"
     argv = ["--experiment", "distill-synth", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db",
             "--out", str(out), "--no-log"]
-    assert dr.main(argv) == 0
-    assert "| rb | 3 |" in capsys.readouterr().out and (out / dr.FILES[0]).is_file()
-    assert dr.main(argv[:1] + ["nope"] + argv[2:]) == 1
-    assert "unknown experiment 'nope'" in capsys.readouterr().err
+    assert distill_report.main(argv) == 0
+    assert "| rb | 3 |" in capsys.readouterr().out and (out / REPORT_FILES[0]).is_file()
+    assert distill_report.main(argv[:1] + ["nope"] + argv[2:]) == 1
+    assert "unknown experiment 'nope'; available: ['Default', 'distill-synth']" in capsys.readouterr().err
+
+
+def test_cli_reads_the_store_runs_write(tmp_path, synthetic_store, monkeypatch, capsys):
+    """As klbench-pareto: the store is $KLBENCH_OUTPUTS/mlflow.db and the files go under $KLBENCH_OUTPUTS,
+    not under ./outputs."""
+    import shutil
+    outputs = tmp_path / "elsewhere"
+    outputs.mkdir()
+    shutil.copy(tmp_path / "mlflow.db", outputs / "mlflow.db")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("KLBENCH_OUTPUTS", str(outputs))
+    monkeypatch.chdir(tmp_path)
+    assert distill_report.main(["--experiment", "distill-synth", "--no-log"]) == 0
+    assert "| rb | 3 |" in capsys.readouterr().out
+    assert list((outputs / "distill_report").glob(f"*/{REPORT_FILES[1]}")) and not (tmp_path / "outputs").exists()
 
 
 # ---- the one command, through Hydra's multirun and the callback ----
@@ -258,7 +279,7 @@ def test_comparison_configs(experiment, kind):
     params = cfg.hydra.sweeper.params
     assert sorted(params.estimator.split(",")) == sorted(ESTIMATORS) and params.seed.split(",") == ["0", "1", "2"]
     assert cfg.hydra.mode is None and cfg.hydra.sweeper._target_.endswith("BasicSweeper")
-    assert cfg.hydra.callbacks.distill_report._target_ == "klbench.distill_report.DistillReport"
+    assert cfg.hydra.callbacks.distill_report._target_ == "klbench.sweep.distill.DistillReport"
     assert (cfg.task.name, cfg.estimator.beta, cfg.model.kind, cfg.teacher.kind) == ("distill", 1.0, kind, kind)
     assert cfg.logger.experiment == f"distill-estimators-{kind}"
 
@@ -273,11 +294,11 @@ def test_distill_estimators_multirun_end_to_end(tmp_path):
                            "hydra.sweeper.params.seed=0", f"hydra.sweep.dir={tmp_path}/sweep"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    md = (tmp_path / "sweep" / "report" / dr.FILES[1]).read_text()
+    md = (tmp_path / "sweep" / "report" / REPORT_FILES[1]).read_text()
     for est in ESTIMATORS:
         assert f"| {est} | 1 |" in md
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/outputs/mlflow.db")
     exp = client.get_experiment_by_name("distill-estimators-tabular").experiment_id
-    (rep,) = client.search_runs([exp], f"tags.`{dr.REPORT_TAG}` = 'distill'")
+    (rep,) = client.search_runs([exp], f"tags.`{REPORT_TAG}` = 'distill'")
     children = client.search_runs([exp], f"tags.mlflow.parentRunId = '{rep.info.run_id}'")
     assert sorted(c.data.params["estimator.name"] for c in children) == sorted(ESTIMATORS)

@@ -126,3 +126,21 @@ def test_the_embedded_circle_is_gone():
     assert not graph["klbench.models"] & (users | embedded), graph["klbench.models"]
     for module in embedded:
         assert not graph[module] & (users | {"klbench.models"}), (module, graph[module])
+
+
+def test_the_tabular_model_is_known_in_one_place():
+    """The tasks, the probe, the sweeps and the trainer ask a policy for its prompt and its truth
+    (klbench.policies.Policy), never for its type: only policies.py and tabular.py touch the tabular
+    model, and rewards.py hands it to the tabular reward."""
+    allowed = {"klbench.policies", "klbench.tabular", "klbench.rewards"}
+    leaks = []
+    for module, path in module_names().items():
+        if module in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "table":  # policy.table, reward.table
+                leaks.append(f"{module}:{node.lineno} .table")
+            names = [node.id] if isinstance(node, ast.Name) else [a.name for a in getattr(node, "names", [])
+                                                                  if isinstance(node, ast.ImportFrom)]
+            leaks += [f"{module}:{node.lineno} {n}" for n in names if n in ("TabularPolicy", "TabularModel")]
+    assert not leaks, leaks

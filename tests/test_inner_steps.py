@@ -125,7 +125,7 @@ def test_good_off_policy_config(tmp_path, overrides):
 
 
 def test_pareto_labels_each_placement_cell():
-    from klbench.pareto import estimator_label
+    from klbench.mlflow_io import estimator_label
     assert estimator_label({"estimator.name": "in_reward", "estimator.value": "k3"}) == "in_reward:k3"
     assert estimator_label({"estimator.name": "in_loss", "estimator.value": "k1"}) != "in_loss:k3"
     assert estimator_label({"estimator.name": "rb"}) == "rb"

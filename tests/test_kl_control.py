@@ -244,7 +244,7 @@ def test_rl_target_kl_sweep_composes(tmp_path, monkeypatch):
     assert cfg.kl_ctl.name == "adaptive" and cfg.kl_ctl.signal == "mc"
     assert sw.study_name == "klbench-rl_target_kl-rb-mc-tabular" and cfg.logger.experiment == "sweep-rl_target_kl-tabular"
     assert list(sw.direction) == ["maximize", "minimize"] and list(cfg.optimized_metrics) == ["val/reward", "val/seq_kl"]
-    assert cfg.hydra.callbacks.sweep_tracking._target_ == "klbench.callbacks.SweepTracking"
+    assert cfg.hydra.callbacks.sweep_tracking._target_ == "klbench.sweep.callback.SweepTracking"
     dists, fixed, _ = create_params_from_overrides([f"{k}={v}" for k, v in sw.params.items()])
     assert list(dists) == ["kl_ctl.target"] and not fixed and dists["kl_ctl.target"].log
     validate(cfg)

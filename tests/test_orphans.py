@@ -1,5 +1,5 @@
 """A restarted sweep takes over the trials its dead predecessor left RUNNING (klbench.jobs and
-callbacks._settle_orphans): a trial whose job finished keeps that job's result, one whose job raised is
+klbench.sweep.study.settle_orphans): a trial whose job finished keeps that job's result, one whose job raised is
 FAIL, and one whose job left nothing is FAIL and queued again. The result files are written as submitit
 writes them: a pickled ("success", JobReturn) in `.submitit/<job id>/<job id>_0_result.pkl`.
 
@@ -19,7 +19,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from klbench import jobs
-from klbench.callbacks import RETRY_OF, _settle_orphans
+from klbench.sweep.study import RETRY_OF, settle_orphans
 
 BETA = FloatDistribution(1e-3, 1.0, log=True)
 
@@ -45,7 +45,7 @@ def test_finished_failed_and_missing_jobs(dead_sweep):
     write_result(folder, "12_0", done.params["estimator.beta"], JobStatus.COMPLETED, (1.5, 0.25))
     write_result(folder, "12_1", raised.params["estimator.beta"], JobStatus.FAILED, FloatingPointError("nan"))
     (folder / "12").mkdir()  # the array job's own folder: its submission script, no result
-    _settle_orphans(study, [done, raised, lost], str(folder.parent))
+    settle_orphans(study, [done, raised, lost], str(folder.parent))
     by_number = {t.number: t for t in study.trials}
     assert by_number[done.number].state == TrialState.COMPLETE and by_number[done.number].values == [1.5, 0.25]
     assert by_number[raised.number].state == TrialState.FAIL
@@ -58,7 +58,7 @@ def test_finished_failed_and_missing_jobs(dead_sweep):
 def test_non_finite_result_is_not_taken(dead_sweep):
     study, (trial, *_), folder = dead_sweep
     write_result(folder, "7_0", trial.params["estimator.beta"], JobStatus.COMPLETED, (float("nan"), 0.1))
-    _settle_orphans(study, [trial], str(folder.parent))
+    settle_orphans(study, [trial], str(folder.parent))
     assert study.trials[trial.number].state == TrialState.FAIL
 
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from klbench.pareto import (collect_runs, frontier_share, group_runs, hypervolume, log_pareto, main, non_dominated,
-                            plot_pareto)
+from klbench.frontier import frontier_share, group_runs, hypervolume, non_dominated
+from klbench.mlflow_io import collect_runs, log_pareto
+from klbench.pareto import main
+from klbench.plots import plot_pareto
 from klbench.tabular import Frontier
 
 

@@ -240,7 +240,7 @@ def test_probe_every_must_fall_on_validations(tmp_path):
 
 
 def test_frontier_share_ci():
-    from klbench.pareto import frontier_share_ci, summarize
+    from klbench.frontier import frontier_share_ci, summarize
     # rb dominates everywhere: its share is 1 in every resample; a mixed frontier gets an interval around its share
     labels = ["rb"] * 5 + ["mc"] * 5
     kls = [1, 2, 3, 4, 5] + [6, 7, 8, 9, 10]

@@ -82,7 +82,7 @@ def test_sweep_composes(tmp_path, name):
     assert cfg.logger.tracking_uri != sw.storage
     assert name in sw.study_name and "tabular" in sw.study_name
     assert 0 < sw.max_failure_rate < 1 and sw.n_jobs >= 2 and sw.sampler.seed is not None
-    assert cfg.hydra.callbacks.sweep_tracking._target_ == "klbench.callbacks.SweepTracking"
+    assert cfg.hydra.callbacks.sweep_tracking._target_ == "klbench.sweep.callback.SweepTracking"
     assert cfg.logger.parent_run_id is None and cfg.ckpt_path is None  # outside a trial process
     dists, fixed, _ = create_params_from_overrides([f"{k}={v}" for k, v in sw.params.items()])
     swept = {"rl_target_kl": "kl_ctl.target", "kl_placement": "estimator.value"}.get(name, "estimator.beta")
@@ -93,16 +93,16 @@ def test_sweep_composes(tmp_path, name):
 
 
 def test_grid_size_caps_the_study(tmp_path):
-    from klbench.callbacks import _study_total
+    from klbench.sweep.study import study_total
     cfg = compose(["sweep=estimators_grid", "experiment=tabular"], outputs=tmp_path, hydra=True)
-    assert _study_total(cfg) == 2 * 5 * 3
+    assert study_total(cfg) == 2 * 5 * 3
     cfg = compose(["sweep=estimators_grid", "experiment=tabular", 'hydra.sweeper.params={seed:"choice(0)"}'],
                   outputs=tmp_path, hydra=True)
-    assert _study_total(cfg) == 2 * 5
+    assert study_total(cfg) == 2 * 5
     # the plugin would still enumerate a dimension fixed on the command line, repeating grid points
     cfg = compose(["sweep=estimators_grid", "experiment=tabular", "seed=0"], outputs=tmp_path, hydra=True)
     with pytest.raises(ValueError, match="seed"):
-        _study_total(cfg)
+        study_total(cfg)
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
@@ -249,7 +249,7 @@ def test_failure_after_training_marks_the_run_failed(outputs, local_sweep, tmp_p
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf
 
-    from klbench.callbacks import SweepTracking
+    from klbench.sweep.callback import SweepTracking
     client = mlflow_client(outputs)
     exp_id = client.get_experiment_by_name("sweep-rl_beta-tabular").experiment_id
     run_id = client.create_run(exp_id).info.run_id
@@ -297,8 +297,8 @@ def test_last_grid_trial_failing_does_not_crash_the_sweep():
     from optuna.distributions import FloatDistribution
     from optuna.trial import TrialState
 
-    from klbench.callbacks import _tolerate_grid_stop
-    _tolerate_grid_stop()
+    from klbench.sweep.study import tolerate_grid_stop
+    tolerate_grid_stop()
     study = optuna.create_study(directions=["maximize", "minimize"],
                                 sampler=optuna.samplers.GridSampler({"b": [0.1, -1.0]}, seed=0))
     trials = [study.ask({"b": FloatDistribution(-1.0, 0.1)}) for _ in range(2)]
