@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from klbench import store
+from klbench import rundir, store
 from klbench.embedded.cache import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +26,8 @@ OmegaConf.register_resolver("klbench_sweeps", lambda: ", ".join(sorted(p.stem fo
 # one place (klbench.store) decides where the record lives, for runs, sweeps and klbench-pareto alike
 OmegaConf.register_resolver("klbench_outputs", lambda: str(store.outputs_dir()), replace=True)
 OmegaConf.register_resolver("klbench_tracking_uri", store.tracking_uri, replace=True)
+# run and sweep folders that no other process shares (klbench/rundir.py); cached, like Hydra's `now`
+OmegaConf.register_resolver("klbench_claim", rundir.claim, use_cache=True, replace=True)
 # the per-user cache of embedded models (klbench.embedded.cache), shared by every outputs folder
 OmegaConf.register_resolver("klbench_cache", lambda: str(cache_dir()), replace=True)
 
@@ -40,8 +42,14 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # fails this trial only; the sweep records it and goes on
         sys.exit(f"klbench: error: {e}")
+    from klbench.resume import ResumeError
     from klbench.train import run
-    metrics = run(cfg)
+    try:
+        metrics = run(cfg)
+    except ResumeError as e:  # said in one line: the checkpoint, and what to do instead
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise
+        sys.exit(f"klbench: error: {e}")
     if cfg.task.name in ("pretrain", "probe"):
         return None
     return metrics["val/reward"], metrics["val/seq_kl"]

@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+from klbench.runs import RUN_ID_FILE
 
 # what makes a run the run it is; hardware, logger and paths may change between attempts
 IDENTITY = ("task", "estimator", "kl_ctl", "model", "teacher", "reward", "dataset", "seed")
@@ -35,8 +38,32 @@ def resolve_ckpt(cfg: DictConfig) -> str | None:
         return None
     path = os.path.join(cfg.paths.ckpt_dir, "last.ckpt") if cfg.ckpt_path == "last" else cfg.ckpt_path
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r}: no checkpoint at {path}")
+        hint = (f"the run stopped before its first checkpoint (written at every validation, every "
+                f"task.val_every={cfg.task.get('val_every')} steps): start it again without ckpt_path"
+                if cfg.ckpt_path == "last" else "check the path")
+        raise ResumeError(f"ckpt_path={cfg.ckpt_path!r}: no checkpoint at {path}; {hint}")
     return path
+
+
+def folder_run_id(cfg: DictConfig) -> str | None:
+    """The MLflow run this run folder belongs to (its mlflow_run_id.txt), or None."""
+    path = Path(cfg.paths.ckpt_dir).parent / RUN_ID_FILE
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+def check_run(payload: dict, cfg: DictConfig, path: str) -> None:
+    """A checkpoint resumes only into the MLflow run that wrote it. Two runs that once shared a folder left
+    one's mlflow_run_id.txt beside the other's last.ckpt; continuing would splice one run into the other."""
+    mine, folder = payload.get("mlflow_run_id"), folder_run_id(cfg)
+    if cfg.logger.get("kind") == "mlflow" and mine and folder and mine != folder:
+        raise ResumeError(f"{path} was written by MLflow run {mine}, but its folder belongs to MLflow run "
+                          f"{folder} ({RUN_ID_FILE}): two runs shared this folder, so neither can be resumed "
+                          "from it. Start the run again in a folder of its own (without hydra.run.dir)")
+
+
+def finished(payload: dict, cfg: DictConfig) -> bool:
+    """The checkpoint is of a run that trained all of cfg.task.max_steps and ran its final validation."""
+    return int(payload.get("step", -1)) >= int(cfg.task.max_steps) and bool(payload.get("val_metrics"))
 
 
 def load_payload(path: str) -> dict:

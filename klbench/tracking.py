@@ -177,6 +177,42 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     return RecordLogger(client, run_id, lg.experiment)
 
 
+def _folder_run(cfg: DictConfig):
+    """(client, run) of the MLflow run this run folder belongs to, or None (no id file, another logger)."""
+    from klbench.resume import folder_run_id
+    if cfg.logger.get("kind") != "mlflow" or not (run_id := folder_run_id(cfg)):
+        return None
+    import mlflow
+    client = mlflow.MlflowClient(cfg.logger.tracking_uri)
+    return client, client.get_run(run_id)
+
+
+def run_finished(cfg: DictConfig) -> bool:
+    """Whether this run folder's record says FINISHED; with no MLflow record, the checkpoint alone decides."""
+    from mlflow.exceptions import MlflowException
+    try:
+        found = _folder_run(cfg)
+    except MlflowException:  # the folder names a run this store lacks: build_logger says so
+        return False
+    return found is None or found[1].info.status == "FINISHED"
+
+
+def settle_folder_run(cfg: DictConfig, why: str) -> None:
+    """A resume that is refused leaves no run RUNNING behind it: the folder's MLflow run, if its process
+    is gone, is marked KILLED now (instead of by the next fresh start). Never masks the refusal."""
+    try:
+        found = _folder_run(cfg)
+        if found is None:
+            return
+        client, run = found
+        if run.info.status == "RUNNING" and runs.owner_alive(run.data.tags) is False:
+            client.set_tag(run.info.run_id, runs.ENDED, why[:5000])
+            client.set_terminated(run.info.run_id, "KILLED")
+    except Exception as e:  # the refusal is what the user must see
+        import logging
+        logging.getLogger(__name__).warning("could not settle this folder's MLflow run: %s", e)
+
+
 @contextmanager
 def recorded(logger):
     """Ends the MLflow run FAILED (error tagged) on an exception, KILLED on an interrupt, and re-raises.
@@ -212,9 +248,18 @@ class RecordCheckpoint(Callback):
         self.path = os.path.join(ckpt_dir, "last.ckpt")
         self.config = config
 
+    @staticmethod
+    def of(trainer) -> "RecordCheckpoint":
+        return next(c for c in trainer.callbacks if isinstance(c, RecordCheckpoint))
+
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
+        self.save(trainer)
+
+    def save(self, trainer) -> None:
+        """Also called by train.run after a final validation outside fit (max_steps not a multiple of
+        val_every), so that a finished run's last.ckpt is at its last step and says it finished."""
         tmp = self.path + ".tmp"
         trainer.save_checkpoint(tmp, weights_only=False)
         if trainer.is_global_zero:
@@ -224,9 +269,14 @@ class RecordCheckpoint(Callback):
             trainer.logger.commit(trainer.global_step)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        pending = trainer.logger.pending if isinstance(trainer.logger, RecordLogger) else []
-        checkpoint[CKPT_KEY] = {"config": self.config, "pending_metrics": list(pending),
-                                "step": trainer.global_step}
+        record = trainer.logger if isinstance(trainer.logger, RecordLogger) else None
+        checkpoint[CKPT_KEY] = {
+            "config": self.config, "pending_metrics": list(record.pending) if record else [],
+            "step": trainer.global_step,
+            # the run this checkpoint continues: a resume into any other MLflow run is refused (klbench.resume)
+            "mlflow_run_id": record.run_id if record else None,
+            # the validation just made: a resume of a finished run answers with it instead of training
+            "val_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
 
 
 def log_samples(logger, tables: list[tuple[int, list[dict]]], cfg: DictConfig) -> None:

@@ -83,11 +83,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.task.name == "probe":  # measures estimators on a policy/reference pair: no Trainer
         from klbench.tasks.probe import run_task
         return run_task(cfg)
-    ckpt_path = resume.resolve_ckpt(cfg)
-    payload = None
-    if ckpt_path is not None:  # refused before anything is built or logged
-        payload = resume.load_payload(ckpt_path)
-        resume.check_config(payload, cfg, ckpt_path)
+    ckpt_path, payload = _resume_from(cfg)
+    if payload is not None and resume.finished(payload, cfg) and tracking.run_finished(cfg):
+        return _already_finished(cfg, payload, ckpt_path)
+    if payload is not None:
         log.info("resuming from step %s of %s", payload.get("step"), ckpt_path)
     pl.seed_everything(cfg.seed, workers=True)
     t0 = time.time()
@@ -106,8 +105,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
             before = _val_metrics(trainer.callback_metrics)
             _commit(logger, 0)
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-        if trainer.global_step % cfg.task.val_every != 0:
+        # a validation at the last step, unless fit's own schedule made one (a resume at max_steps made none)
+        if trainer.global_step % cfg.task.val_every != 0 or not _val_metrics(trainer.callback_metrics):
             trainer.validate(module, datamodule=data, verbose=False)
+            tracking.RecordCheckpoint.of(trainer).save(trainer)
         after = _val_metrics(trainer.callback_metrics)
         _commit(logger, trainer.global_step)
         if trainer.is_global_zero:
@@ -122,6 +123,33 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if isinstance(logger, tracking.RecordLogger):
             logger.end("FINISHED")
     return after
+
+
+def _resume_from(cfg: DictConfig) -> tuple[str | None, dict | None]:
+    """The checkpoint to resume and its klbench section, checked before anything is built or logged:
+    it exists, it is klbench's, it was made under this config and by this folder's MLflow run.
+    A refused resume settles the run it meant to continue (KILLED, if its process is gone)."""
+    try:
+        ckpt_path = resume.resolve_ckpt(cfg)
+        if ckpt_path is None:
+            return None, None
+        payload = resume.load_payload(ckpt_path)
+        resume.check_config(payload, cfg, ckpt_path)
+        resume.check_run(payload, cfg, ckpt_path)
+    except resume.ResumeError as e:
+        tracking.settle_folder_run(cfg, f"resume refused: {e}")
+        raise
+    return ckpt_path, payload
+
+
+def _already_finished(cfg: DictConfig, payload: dict, ckpt_path: str) -> dict[str, float]:
+    """Resuming a run that finished changes nothing: its record stays FINISHED, and its final validation
+    is the answer (a sweep trial re-run after it finished gets its result without training)."""
+    step = payload["step"]
+    print(f"klbench: this run already finished: {ckpt_path} is at step {step} of task.max_steps={cfg.task.max_steps}, "
+          "and its record is left as it is. To train it further, raise task.max_steps and add "
+          "ckpt_allow_changes=[task.max_steps]")
+    return dict(payload["val_metrics"])
 
 
 def _commit(logger, step: int) -> None:

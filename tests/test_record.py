@@ -92,7 +92,22 @@ def test_parallel_klbench_runs_on_a_fresh_outputs_folder(tmp_path):
         errs = [p.communicate(timeout=600)[1] for p in procs]
         assert [p.returncode for p in procs] == [0] * 6, [e[-2000:] for e in errs]
         assert sorted(r.info.status for r in all_runs(client_of(outputs))) == ["FINISHED"] * 6
+        assert_a_folder_per_run(outputs, 6)
         assert klbench(outputs, *TABULAR, "seed=9", "logger.experiment=par").returncode == 0
+
+
+def assert_a_folder_per_run(outputs: Path, n: int) -> None:
+    """Runs started together each got a folder of their own (the folder name has a one-second resolution:
+    before klbench/rundir.py, 16 starts got 2, 2 and 1 folders), and each folder's checkpoint is the run's
+    that its mlflow_run_id.txt names, with that run's seed."""
+    folders = sorted(outputs.glob("runs/*/*"))
+    ids = [(f / runs.RUN_ID_FILE).read_text() for f in folders]
+    assert len(folders) == n and len(set(ids)) == n, folders
+    by_id = {r.info.run_id: r for r in all_runs(client_of(outputs))}
+    for f, run_id in zip(folders, ids):
+        payload = torch.load(f / "checkpoints" / "last.ckpt", weights_only=True)["klbench"]
+        assert payload["mlflow_run_id"] == run_id
+        assert str(payload["config"]["seed"]) == by_id[run_id].data.params["seed"]
 
 
 def test_half_migrated_store_is_reported_then_repaired(tmp_path):
