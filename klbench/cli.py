@@ -5,6 +5,8 @@ fails in about a second, leaves no MLflow run and no run folder.
 """
 from __future__ import annotations
 
+import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -42,14 +44,21 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # fails this trial only; the sweep records it and goes on
         sys.exit(f"klbench: error: {e}")
+    from klbench.train import run  # first: it imports Lightning without what klbench never uses (lean.py)
     from klbench.resume import ResumeError
-    from klbench.train import run
+    from klbench.tracking import RecordUnavailable, store_failure
     try:
         metrics = run(cfg)
-    except ResumeError as e:  # said in one line: the checkpoint, and what to do instead
+    except Exception as e:  # what the user can act on is said in one line, with what to do
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise
-        sys.exit(f"klbench: error: {e}")
+        if isinstance(e, RecordUnavailable):
+            sys.exit(f"klbench: error: {unavailable_advice(e, Path(cfg.paths.ckpt_dir) / 'last.ckpt')}")
+        if isinstance(e, (ResumeError, store.StoreError)):
+            sys.exit(f"klbench: error: {e}")
+        if why := store_failure(e, str(OmegaConf.select(cfg, "logger.tracking_uri", default="") or "")):
+            sys.exit(f"klbench: error: {why}; no run was recorded: start it again once the store is back")
+        raise
     if cfg.task.name in ("pretrain", "probe"):
         return None
     return metrics["val/reward"], metrics["val/seq_kl"]
@@ -64,6 +73,33 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"sweep={sweep} is a sweep: run it with -m (klbench -m sweep={sweep} ...); "
                          "without -m it would be a single run filed under the sweep's experiment")
     validate(cfg)
+
+
+def unavailable_advice(e, ckpt: Path) -> str:
+    """What failed, what became of the MLflow run, and the command that resumes it."""
+    status = (f"MLflow run {e.run_id} is marked FAILED" if e.marked else
+              f"MLflow run {e.run_id} could not be marked FAILED: it shows RUNNING until klbench next opens "
+              "this store and marks it KILLED")
+    when = "there is free space" if "disk is full" in e.why else "the server answers"
+    if not ckpt.is_file():
+        return f"{e.why}; {status}. No checkpoint was written yet: start it again once {when}"
+    return f"{e.why}; {status}. Once {when}, resume it from {ckpt.name}: {resume_command()}"
+
+
+def resume_command() -> str:
+    """This run's command line, pasteable into a shell, continuing in its own folder from last.ckpt."""
+    hc = HydraConfig.get()
+    keep = [o for o in hc.overrides.task if o.split("=", 1)[0] not in ("ckpt_path", "hydra.run.dir")]
+    return " ".join(["klbench", *map(shlex.quote, keep),
+                     shlex.quote(hydra_override("hydra.run.dir", hc.runtime.output_dir)), "ckpt_path=last"])
+
+
+def hydra_override(key: str, value: str) -> str:
+    """key=value as Hydra's override parser reads it back: a value with spaces or characters the parser
+    gives a meaning to is quoted (Hydra's own quotes; the shell's come on top)."""
+    if re.fullmatch(r"[\w./@:+-]+", value):
+        return f"{key}={value}"
+    return f'{key}="' + value.replace('"', '\\"') + '"'
 
 
 def _discard_run_folder(outputs: Path) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
+import shlex
 import sys
 import warnings
+
+from klbench.redact import redact, redact_logs
 
 VERBOSE_ENV = "KLBENCH_VERBOSE"
 
@@ -66,7 +68,9 @@ _installed: set[str] = set()
 
 
 def setup() -> None:
-    """Each Lightning message once; at default verbosity, the notices above silenced. Idempotent."""
+    """Each Lightning message once; at default verbosity, the notices above silenced; at every verbosity,
+    passwords in URLs as *** in every log record (klbench.redact). Idempotent."""
+    redact_logs()
     one_handler()
     if verbose():
         return
@@ -122,16 +126,17 @@ def quiet_transformers() -> None:
 
 def display_uri(uri: str) -> str:
     """A tracking URI fit for a console and a log file: a password in it is replaced by ***."""
-    return re.sub(r"(://[^/:@]+):[^/@]*@", r"\1:***@", uri)
+    return redact(uri)
 
 
 def mlflow_ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None) -> list[str]:
     """How to look at a run (or an experiment) in the MLflow UI: the `mlflow ui` command for a store that is a
-    file or a database, the page itself for an MLflow server."""
+    file or a database, the page itself for an MLflow server. The command is quoted for a POSIX shell (an
+    outputs folder may hold spaces), so that it works pasted."""
     page = f"#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
     if tracking_uri.startswith(("http://", "https://")):
-        return [f"open {tracking_uri.rstrip('/')}/{page}"]
-    return [f"mlflow ui --backend-store-uri {display_uri(tracking_uri)}",
+        return [f"open {display_uri(tracking_uri).rstrip('/')}/{page}"]
+    return [f"mlflow ui --backend-store-uri {shlex.quote(display_uri(tracking_uri))}",
             f"then open http://127.0.0.1:5000/{page}"]
 
 

@@ -23,6 +23,23 @@ def load_prompts(cfg) -> tuple[list[str], list[str]]:
     raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
 
 
+def check_prompt_lengths(cfg, policy, train: list[str], val: list[str]) -> None:
+    """Every prompt the run will use, plus task.max_new_tokens, fits the policy's context (Policy.check_prompts):
+    a ValueError naming the dataset's file or split and field, and its longest prompt."""
+    for split, prompts in (("train", train), ("val", val)):
+        policy.check_prompts(prompts, prompt_source(cfg, split))
+
+
+def prompt_source(cfg, split: str) -> str:
+    """Where a `dataset` config's prompts of one split come from, as a message names it."""
+    if cfg.source == "jsonl":
+        return f"dataset.{split}_path={cfg[split + '_path']} (field {cfg.field!r})"
+    if cfg.source == "hf":
+        return (f"dataset.name={cfg.name} (split {cfg[split + '_split']!r}, field {cfg.field!r}, the first "
+                f"dataset.prompt_words={cfg.prompt_words} words)")
+    return f"dataset={cfg.source} ({split} prompts)"
+
+
 def _read_jsonl(path: str, field: str) -> list[str]:
     return read_prompts(path, field)  # the reader klbench.schema checks the files with
 

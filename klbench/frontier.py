@@ -177,9 +177,12 @@ class RunPoints(list):
         return f"{len(self)} used, {self.n_skipped} skipped" + (f" ({why})" if why else "")
 
 
+# Bookkeeping: where a run wrote, how it was logged, how it resumed. Runs that differ in nothing else ran
+# the same thing.
+BOOKKEEPING = ("logger", "paths", "ckpt_path", "ckpt_allow_changes", "optimized_metrics")
 # Differ between the runs of one comparison without changing what they measure: the swept estimator
-# and its options, the seed, and bookkeeping (where the run wrote, how it was logged, how it resumed).
-NOT_COMPARED = ("estimator", "seed", "logger", "paths", "ckpt_path", "ckpt_allow_changes", "optimized_metrics",
+# and its options, the seed, and bookkeeping.
+NOT_COMPARED = ("estimator", "seed", *BOOKKEEPING,
                 "task.probe_every", "task.probe")  # the probe measures at validations, on its own RNG stream
 
 
@@ -198,6 +201,34 @@ def group_runs(points: Sequence[dict], vary: Sequence[str] = ()) -> list[tuple[d
     differing = [i for i in range(len(keys)) if len({sig[i] for sig in groups}) > 1]
     return sorted((({keys[i]: sig[i] for i in differing}, pts) for sig, pts in groups.items()),
                   key=lambda g: -len(g[1]))
+
+
+def _ran(key: str) -> bool:
+    return not any(key == b or key.startswith(b + ".") for b in BOOKKEEPING)
+
+
+def one_per_trial(points: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """(kept, dropped): of the runs of one sweep (same "parent") that ran the same trial, equal in every
+    param but BOOKKEEPING, only the newest ("start_time") is kept. A sweep that lost track of a trial may
+    have trained it twice; it is one trial, and one point on the frontier. Runs without a parent are all
+    kept: running the same config again by hand is a repeat, not a duplicate."""
+    newest: dict[tuple, dict] = {}
+    kept, dropped = [], []
+    for p in points:
+        if not p.get("parent"):
+            kept.append(p)
+            continue
+        key = (p["parent"], tuple(sorted((k, v) for k, v in p.get("params", {}).items() if _ran(k))))
+        old = newest.get(key)
+        if old is None or (p.get("start_time") or 0) > (old.get("start_time") or 0):
+            newest[key] = p
+            if old is not None:
+                dropped.append(old)
+        else:
+            dropped.append(p)
+    kept += list(newest.values())
+    order = {id(p): i for i, p in enumerate(points)}
+    return sorted(kept, key=lambda p: order[id(p)]), dropped
 
 
 def describe_groups(groups: list[tuple[dict[str, str], list[dict]]]) -> str:

@@ -1,15 +1,19 @@
 """The `kl_ctl` group: the coefficient beta of reward - beta * KL(pi || pi_ref), fixed or adapted.
 
-`fixed` keeps beta = estimator.beta for the whole run. `adaptive` is the proportional controller of
-Ziegler et al. (2019), as verl (`kl_ctrl.type: adaptive`) and OpenRLHF (`--kl_target`) offer it:
-users choose the KL they want instead of a beta, and after every step
+`fixed` keeps beta = estimator.beta for the whole run. `adaptive` holds a target KL instead (users choose
+the KL they want, as with verl's `kl_ctrl.type: adaptive` and OpenRLHF's `--kl_target`): after every step,
+with e = clip(KL_est / target - 1, -clip, clip),
 
-    beta <- beta * (1 + clip(KL_est / target - 1, -clip, clip) * n / horizon)
+    beta_i <- beta_i * (1 + e * m / horizon)        (integral part: m = 1 a step, or n sequences)
+    beta   <- beta_i * exp(kp * e)                  (proportional part)
 
-where KL_est is a value estimate of the sequence KL(pi || pi_ref) on the step's own samples (the
-`signal`) and n the number of sequences in the step. The update is multiplicative, so it acts on
-log beta; it stops only where KL_est averages the target, so the mean KL has no steady offset, and
-whatever noise the signal carries goes into beta.
+a PI controller on log beta. KL_est is a value estimate of the sequence KL(pi || pi_ref) on the step's own
+samples (the `signal`) and n the number of sequences in the step. The integral part alone (kp = 0,
+horizon_unit = sequences) is the proportional controller of Ziegler et al. (2019), klbench's before
+issue 18; it stops only where the clipped error averages 0, so the held KL has no steady offset. Alone it
+rings against the policy's lag (docs/kl-control.md derives why and when); the proportional part damps it.
+The horizon counts steps by default because the policy's lag does: an optimiser step moves the policy by
+about the same amount whatever the batch size.
 
 Plain Python floats (no torch, no Lightning, no Hydra): the caller turns the batch into KL_est, and
 the state is a small dict that the checkpoint carries, so a resumed run continues the same beta.
@@ -21,6 +25,7 @@ import math
 # labels of klbench.estimators.values.REPORTED that may drive the controller (klbench.schema lists them
 # without importing torch; tests/test_kl_control.py keeps the two lists equal)
 SIGNALS = ("mc", "k2", "k3", "cv_seq", "cv_opt", "rb")
+HORIZON_UNITS = ("steps", "sequences")
 
 
 class FixedKL:
@@ -45,41 +50,53 @@ class FixedKL:
 
 
 class AdaptiveKL:
-    """Proportional controller on log beta towards a target sequence KL(pi || pi_ref), in nats."""
+    """PI controller on log beta towards a target sequence KL(pi || pi_ref), in nats."""
 
     name = "adaptive"
 
-    def __init__(self, init_beta: float, target: float, horizon: float, clip: float = 0.2, signal: str = "rb"):
+    # defaults: conf/kl_ctl/adaptive.yaml's; kp=0, horizon_unit="sequences" is the controller before issue 18
+    def __init__(self, init_beta: float, target: float, horizon: float = 10.0, clip: float = 0.2,
+                 signal: str = "rb", kp: float = 1.0, horizon_unit: str = "steps"):
         for key, v in (("init_beta", init_beta), ("target", target), ("horizon", horizon), ("clip", clip)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"kl_ctl.{key} must be a finite number > 0, got {v!r}")
+        if not (isinstance(kp, (int, float)) and math.isfinite(kp) and kp >= 0):
+            raise ValueError(f"kl_ctl.kp must be a finite number >= 0, got {kp!r}")
         if signal not in SIGNALS:
             raise ValueError(f"kl_ctl.signal={signal!r} is unknown; valid: {', '.join(SIGNALS)}")
-        self.beta, self.target, self.horizon = float(init_beta), float(target), float(horizon)
-        self.clip, self.signal = float(clip), signal
+        if horizon_unit not in HORIZON_UNITS:
+            raise ValueError(f"kl_ctl.horizon_unit={horizon_unit!r} is unknown; valid: {', '.join(HORIZON_UNITS)}")
+        self.target, self.horizon, self.horizon_unit = float(target), float(horizon), horizon_unit
+        self.clip, self.signal, self.kp = float(clip), signal, float(kp)
+        self.beta = self.beta_i = float(init_beta)  # beta_i: the integral part, beta without the kp term
 
     def error(self, kl_est: float) -> float:
-        """The clipped proportional error: a wild estimate (k1 can be far off, even negative) moves beta
-        by at most `clip * n / horizon` per step."""
+        """The clipped relative error: a wild estimate (k1 can be far off, even negative) moves beta_i by
+        at most `clip * m / horizon` a step and beta by at most exp(kp * clip) around beta_i."""
         return min(max(kl_est / self.target - 1.0, -self.clip), self.clip)
 
     def update(self, kl_est: float, n: int) -> float:
         """One step with KL_est (nats per sequence, mean over the step's n sequences); returns the new beta."""
         if not math.isfinite(kl_est):
             raise FloatingPointError(f"the KL signal {self.signal!r} is {kl_est}: beta cannot be adapted")
-        factor = 1.0 + self.error(kl_est) * n / self.horizon
+        e = self.error(kl_est)
+        m = n if self.horizon_unit == "sequences" else 1
+        factor = 1.0 + e * m / self.horizon
         if factor <= 0:  # beta would reach 0 and stay there (or flip sign): a step far larger than the horizon
-            raise ValueError(f"kl_ctl: a step of {n} sequences against horizon {self.horizon:g} with clip "
-                             f"{self.clip:g} can drive beta to 0; raise kl_ctl.horizon above {self.clip * n:g}")
-        self.beta *= factor
+            raise ValueError(f"kl_ctl: a step of {m} {self.horizon_unit} against horizon {self.horizon:g} with "
+                             f"clip {self.clip:g} can drive beta to 0; raise kl_ctl.horizon above {self.clip * m:g}")
+        self.beta_i *= factor
+        self.beta = self.beta_i * math.exp(self.kp * e)
         return self.beta
 
     def state_dict(self) -> dict:
-        return {"name": self.name, "beta": self.beta}
+        return {"name": self.name, "beta": self.beta, "beta_i": self.beta_i}
 
     def load_state_dict(self, state: dict) -> None:
         _check_kind(self.name, state)
         self.beta = float(state["beta"])
+        # checkpoints from before issue 18 hold beta alone: that controller was its integral part
+        self.beta_i = float(state.get("beta_i", self.beta))
 
 
 def _check_kind(name: str, state: dict) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from klbench import runs, store
 from klbench.artifacts import write_pareto, write_report
 from klbench.distill_curves import BASELINE, METRIC, Curve, newest_per_seed, ratio_to
-from klbench.frontier import REWARD, SEQ_KL, RunPoints, summarize
+from klbench.frontier import REWARD, SEQ_KL, RunPoints, one_per_trial, summarize
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -124,6 +124,14 @@ def estimator_label(params: dict) -> str:
     return f"{name}:{value}" if value is not None else name
 
 
+def child_runs(client: MlflowClient, parent_run_id: str, noticed_by: str) -> list:
+    """Every run of a sweep's parent run (its trials' runs), RUNNING ones whose process is gone first
+    marked KILLED (klbench.runs.reap)."""
+    exp_id = client.get_run(parent_run_id).info.experiment_id
+    runs.reap(client, [exp_id], noticed_by)
+    return search_runs(client, [exp_id], f"tags.mlflow.parentRunId = '{parent_run_id}'")
+
+
 def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = None,
                  run_ids: Sequence[str] | None = None, parent_run_id: str | None = None,
                  noticed_by: str = "klbench-pareto") -> RunPoints:
@@ -134,7 +142,8 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
     children (searched in the parent's experiment unless experiment_names is given); `run_ids` adds
     runs by id. Other statuses, runs stopped before their max_steps, missing or non-finite metrics, a
     missing estimator name and sweep parent runs are skipped and recorded in `.skipped` (reason -> run
-    ids). RUNNING runs whose process on this host is gone are first marked KILLED (klbench.runs.reap).
+    ids), and so are older runs of a trial that a sweep ran twice (klbench.frontier.one_per_trial).
+    RUNNING runs whose process on this host is gone are first marked KILLED (klbench.runs.reap).
     """
     if not (experiment_names or run_ids or parent_run_id):
         raise ValueError("give experiment_names, run_ids or parent_run_id")
@@ -180,7 +189,15 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
                         "experiment_id": eid, "estimator": estimator_label(params),
                         "beta": _number(params, "estimator.beta"), "lam": _number(params, "estimator.lam"),
                         "seed": _number(params, "seed"), "reward": metrics[REWARD],
-                        "seq_kl": metrics[SEQ_KL], "status": run.info.status, "params": dict(params)})
+                        "seq_kl": metrics[SEQ_KL], "status": run.info.status, "params": dict(params),
+                        "parent": run.data.tags.get("mlflow.parentRunId"), "start_time": run.info.start_time})
+    kept, dropped = one_per_trial(out)
+    if dropped:
+        log.warning("%d run(s) repeat a trial of their sweep: only the newest run of each trial is counted",
+                    len(dropped))
+        out[:] = kept
+        for p in dropped:
+            out.skip("older run of the same trial", p["run_id"])
     return out
 
 

@@ -3,6 +3,7 @@
     load_causal_lm(name_or_path, dtype="float32") -> (model, tokenizer)
     check_same_vocab(tok_a, tok_b, what_a="policy", what_b="reference")
     position_ids_from_mask(attention_mask) -> position ids that match generate()
+    context_length(config) -> ("n_positions", 1024): the positions prompt and response share
 
 The embedded models are folders like any other: klbench.embedded builds and caches
 them, and they load here.
@@ -25,6 +26,20 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """
     pos = attention_mask.long().cumsum(-1) - 1  # [B, T]
     return pos.masked_fill(attention_mask == 0, 0)  # pads: any position works, generate() uses 0
+
+
+# the config attributes that name a causal LM's context (positions for prompt and response together)
+_CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "seq_length")
+
+
+def context_length(config) -> tuple[str, int] | None:
+    """(attribute, positions) of a model config's context, e.g. ("n_positions", 1024) for GPT-2; None for a
+    model whose config names none (then nothing can be checked against it)."""
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
 
 
 # ----------------------------------------------------------------------------- loading (hub id or local path)

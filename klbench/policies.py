@@ -58,6 +58,10 @@ class Policy(nn.Module):
     def trainable(self) -> list[nn.Parameter]:
         raise NotImplementedError
 
+    def check_prompts(self, prompts: list[str], source: str) -> None:
+        """ValueError, naming `source` (the dataset field or file), for prompts this policy cannot complete;
+        a policy that ignores prompts accepts all."""
+
     def reference(self) -> "Policy":
         """A policy of the same kind whose rollouts sample from pi_ref (the probe's baseline)."""
         raise NotImplementedError
@@ -82,6 +86,10 @@ class LMPolicy(Policy):
         self.model, self.ref, self.tok = model, ref_model, tokenizer
         self.ref.requires_grad_(False)
         self.max_new_tokens = max_new_tokens
+        from klbench.models import context_length  # the models are loaded: transformers is imported already
+        # (attribute, positions) of the shorter context of the two: both read prompt + response
+        contexts = [c for c in (context_length(model.config), context_length(ref_model.config)) if c]
+        self.context = min(contexts, key=lambda c: c[1]) if contexts else None
         self.train()
 
     def train(self, mode: bool = True) -> "LMPolicy":
@@ -95,6 +103,12 @@ class LMPolicy(Policy):
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int) -> Rollout:
         enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
+        if self.context and enc.input_ids.shape[1] + self.max_new_tokens > self.context[1]:
+            # past the context GPT-2's position embedding fails with a bare IndexError; prompts from the
+            # `dataset` group were checked when loaded (check_prompts), this catches the others (task=probe)
+            longest = int(enc.attention_mask.sum(1).argmax())
+            raise ValueError(_too_long(f"prompt {_preview(prompts[longest])}", enc.input_ids.shape[1],
+                                       self.max_new_tokens, self.context))
         ids = enc.input_ids.repeat_interleave(n, 0)  # [B*n, P]
         attn = enc.attention_mask.repeat_interleave(n, 0)  # [B*n, P]
         out = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0, top_p=1.0,
@@ -126,12 +140,33 @@ class LMPolicy(Policy):
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def check_prompts(self, prompts: list[str], source: str) -> None:
+        """The longest prompt, tokenized as rollout() does, plus max_new_tokens fits the models' context."""
+        if self.context is None or not prompts:
+            return
+        lengths = [len(ids) for ids in self.tok(prompts).input_ids]
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        if lengths[i] + self.max_new_tokens > self.context[1]:
+            raise ValueError(f"{source}: " + _too_long(f"its longest prompt (#{i + 1}: {_preview(prompts[i])})",
+                                                       lengths[i], self.max_new_tokens, self.context))
+
     def reference(self) -> "LMPolicy":
         return LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def _preview(text: str, chars: int = 60) -> str:
+    return repr(text[:chars]) + ("..." if len(text) > chars else "")
+
+
+def _too_long(what: str, prompt_tokens: int, max_new_tokens: int, context: tuple[str, int]) -> str:
+    key, n = context
+    return (f"{what} has {prompt_tokens} tokens; with task.max_new_tokens={max_new_tokens} a sequence needs "
+            f"{prompt_tokens + max_new_tokens} positions, more than the model's context ({key}={n}): keep prompts "
+            f"to at most {n - max_new_tokens} tokens or lower task.max_new_tokens")
 
 
 def _token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -166,7 +201,12 @@ class TabularPolicy(Policy):
         return Rollout(tokens, mask.long(), 0, mask, group, texts, [p for p in prompts for _ in range(n)], ids)
 
     def score(self, ro: Rollout) -> KLBatch:
-        return self.table.batch(self.theta, ro.seq_ids, group=ro.group)
+        batch = self.table.batch(self.theta, ro.seq_ids, group=ro.group)
+        # the exact per-position KL in one block: its [B, T, K] logits exist whole already, and the default
+        # chunking (2^20 / K rows) would fall back to a Python loop over sequences past 2^18 rows at K = 4,
+        # 0.3 ms each (task.prompts_per_step=30000: 117 s for one step instead of 2 s)
+        batch.chunk_rows = max(1, batch.mask.numel())
+        return batch
 
     def trainable(self) -> list[nn.Parameter]:
         return [self.theta]
@@ -222,6 +262,12 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     model, tok = models.load_causal_lm(path, cfg.dtype)
     ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype)
     models.check_same_vocab(tok, ref_tok, *names)
+    for name, where, m in ((names[0], path, model), (names[1], ref_path, ref)):
+        context = models.context_length(m.config)
+        if context and max_new_tokens >= context[1]:  # no room left for a prompt (embedded: klbench.schema)
+            raise ValueError(f"task.max_new_tokens={max_new_tokens} does not fit the context of the {name}: "
+                             f"{where} has {context[0]}={context[1]} positions for the prompt and the response "
+                             f"together, so task.max_new_tokens must be < {context[1]}")
     return LMPolicy(model, ref, tok, max_new_tokens)
 
 

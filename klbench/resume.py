@@ -14,13 +14,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from klbench.redact import redact_obj
 from klbench.runs import RUN_ID_FILE
 
 # what makes a run the run it is; hardware, logger and paths may change between attempts
 IDENTITY = ("task", "estimator", "kl_ctl", "model", "teacher", "reward", "dataset", "seed")
 # what a group or option was before it existed, for checkpoints made then: the value that does what
 # klbench did (beta was always fixed; one optimiser step per rollout)
-BEFORE = {"kl_ctl": {"name": "fixed"}, "task.inner_steps": 1, "task.clip_eps": 0.2}
+BEFORE = {"kl_ctl": {"name": "fixed"}, "task.inner_steps": 1, "task.clip_eps": 0.2,
+          # the adaptive controller before issue 18: integral part only, horizon in sequences
+          "kl_ctl.kp": 0.0, "kl_ctl.horizon_unit": "sequences"}
 
 
 # task keys that only add measurements (klbench.probe at validations, on its own RNG stream): they never
@@ -85,7 +88,7 @@ def load_payload(path: str) -> dict:
 
 def config_changes(saved: dict, cfg: DictConfig) -> list[str]:
     """Dotted keys under IDENTITY whose values differ between the checkpoint's config and this one."""
-    now = OmegaConf.to_container(cfg, resolve=True)
+    now = redact_obj(OmegaConf.to_container(cfg, resolve=True))  # the checkpoint holds its config redacted
     out: list[str] = []
 
     def walk(a, b, key: str) -> None:

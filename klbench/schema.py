@@ -119,10 +119,19 @@ TASKS = {"rl": TaskRL, "distill": TaskDistill, "pretrain": TaskPretrain, "probe"
 
 # ---- estimator: mirrors klbench.estimators' registry, which imports torch ----
 
+# The largest KL coefficient a run accepts (estimator.beta, kl_ctl.init_beta). Past it the reward weighs
+# next to nothing against beta x KL (task.reward_coef=0 trains on the KL alone), and a huge beta does not
+# regularise harder: beta x KL and its gradient overflow (estimator.beta=1e308 trained with no KL gradient
+# at all, as if beta were 0, and recorded inf losses).
+BETA_MAX = 1e4
+BETA_RANGE = (f"a finite number >= 0 and <= {BETA_MAX:g} (a larger one leaves the reward no weight; "
+              "task.reward_coef=0 trains on the KL alone)")
+
+
 @dataclass
 class Estimator:
     name: str
-    beta: float = limits(ge=0)
+    beta: float = limits(ge=0, le=BETA_MAX, expect=BETA_RANGE)
 
 
 @dataclass
@@ -179,10 +188,12 @@ KL_SIGNALS = Literal["mc", "k2", "k3", "cv_seq", "cv_opt", "rb"]  # klbench.kl_c
 class KLCtlAdaptive:
     name: str
     target: float = limits(gt=0)  # nats per sequence
-    horizon: float = limits(gt=0)  # sequences
+    horizon: float = limits(gt=0)  # integral time, in horizon_unit
     init_beta: float = limits(gt=0)  # the update is multiplicative: 0 would stay 0
     clip: float = limits(0.2, gt=0)
     signal: KL_SIGNALS = "rb"
+    kp: float = limits(1.0, ge=0)  # proportional gain on log beta
+    horizon_unit: Literal["steps", "sequences"] = "steps"  # klbench.kl_control.HORIZON_UNITS
 
 
 KL_CTLS = {"fixed": KLCtlFixed, "adaptive": KLCtlAdaptive}
@@ -356,14 +367,17 @@ class StoreLocal:
     optuna: str
 
 
+OPTUNA_URL = ("an SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db with the password in "
+              "~/.pgpass or $PGPASSWORD (store.optuna=... or $KLBENCH_OPTUNA_STORAGE)")
+
+
 @dataclass
 class StoreServer:
     kind: str
     mlflow: str = limits(pattern=r"https?://.+", expect="the URL of an `mlflow server`, http(s)://host:port "
                                                         "(store.mlflow=... or $KLBENCH_MLFLOW_URI)")
-    optuna: str = limits(pattern=r"[a-z0-9]+(\+[a-z0-9]+)?://.+",
-                         expect="an SQLAlchemy database URL, e.g. postgresql+psycopg://user:pw@host/db "
-                                "(store.optuna=... or $KLBENCH_OPTUNA_STORAGE)")
+    # only a sweep opens the Optuna study, so only a sweep needs it (klbench.sweep.study.prepare_study)
+    optuna: Optional[str] = limits(None, pattern=r"[a-z0-9]+(\+[a-z0-9]+)?://.+", expect=OPTUNA_URL)
     artifacts: Optional[str] = None
 
 
@@ -419,10 +433,12 @@ def validate(cfg: DictConfig) -> None:
     _check_group(cfg, "logger", LOGGERS, "kind")
     if task == "probe":  # measures the estimators on a policy/reference pair: no training, no reward
         _check_probe(cfg, model, teacher)
+        _check_context(cfg)
         if dataset == "jsonl":
             _check_jsonl(cfg.dataset, 1)
         return
     _check_combination(cfg, task, est, model, teacher, reward)
+    _check_context(cfg)
     _check_probe_every(cfg.task)
     _check_kl_ctl(cfg, task, kl_ctl)
     if dataset == "jsonl":  # last: the only check that reads files
@@ -476,13 +492,35 @@ def _check_kl_ctl(cfg: DictConfig, task: str, kl_ctl: str) -> None:
     if task == "distill":
         raise ConfigError("task=distill minimises KL(student || teacher) itself: beta stays fixed at 1, so "
                           "kl_ctl must be fixed, got kl_ctl=adaptive")
+    if c.init_beta > BETA_MAX:  # KLCtlAdaptive checks > 0; the bound is estimator.beta's (BETA_MAX)
+        raise ConfigError(f"kl_ctl.init_beta must be <= {BETA_MAX:g}, like estimator.beta, got {c.init_beta!r}")
     n = t.prompts_per_step * t.n_samples  # sequences per step (per process)
-    if c.clip * n >= c.horizon:
+    if c.horizon_unit == "steps" and c.clip >= c.horizon:
+        raise ConfigError(f"kl_ctl.horizon={c.horizon} (steps) must exceed kl_ctl.clip={c.clip}: a step could "
+                          "otherwise drive beta to 0")
+    if c.horizon_unit == "sequences" and c.clip * n >= c.horizon:
         raise ConfigError(f"kl_ctl.horizon={c.horizon} must exceed kl_ctl.clip x sequences per step = "
                           f"{c.clip} x {n}: a step could otherwise drive beta to 0")
     if c.signal == "cv_opt" and n < 2:
         raise ConfigError("kl_ctl.signal=cv_opt fits its multiplier on the step's samples and needs at least "
                           f"2 sequences per step, got task.prompts_per_step x task.n_samples = {n}")
+
+
+def _check_context(cfg: DictConfig) -> None:
+    """An embedded LM's context holds the prompt and the response: task.max_new_tokens must leave room for a
+    prompt. (An hf model's context is known once its config is loaded: klbench.policies.build_policy; the
+    prompts' lengths once they are tokenized: klbench.data.check_prompt_lengths.)"""
+    from klbench.embedded.spec import preset_spec  # plain Python, like this module
+    m = cfg.task.max_new_tokens
+    for who in ("model", "teacher"):
+        spec = cfg.get(who)
+        if spec is None or spec.kind != "embedded":
+            continue
+        n = preset_spec(spec.preset, spec.spec)["n_positions"]
+        if m >= n:
+            raise ConfigError(f"task.max_new_tokens={m} does not fit the context of the embedded {who} "
+                              f"(preset {spec.preset}): its {who}.spec.n_positions={n} positions hold the prompt "
+                              f"and the response together, so task.max_new_tokens must be < {n}")
 
 
 def _check_probe(cfg: DictConfig, model: str, teacher: str | None) -> None:

@@ -12,6 +12,7 @@ No torch, Lightning or Hydra here; MLflow loads only when a store has to be crea
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sqlite3
@@ -137,8 +138,9 @@ def _advice(path: Path, state: str, detail: str) -> str:
     uri = f"{SQLITE}{path}"
     fix = {
         "corrupt": f"it is not a SQLite database ({detail}). Move it aside to start a new store: mv {path} {path}.corrupt",
-        "half-migrated": f"a schema migration was left half-done ({detail}), which older klbench versions did "
-                         f"when several runs started at once. Recover with: python -m klbench.store repair {path}",
+        "half-migrated": f"a schema migration was left half-done ({detail}): the process creating or upgrading "
+                         f"it stopped midway (older klbench versions did when several runs started at once). "
+                         f"Recover with: python -m klbench.store repair {path}",
         "old": f"it was made by an older MLflow ({detail}). Back it up, then: mlflow db upgrade {uri}",
         "newer": f"it was made by a newer MLflow ({detail}). Upgrade MLflow, or use another store",
     }[state]
@@ -155,10 +157,27 @@ def _revisions() -> tuple[str, set[str]]:
 
 
 def _create(uri: str, path: Path) -> None:
-    """Creating the SqlAlchemyStore runs MLflow's migration; the caller holds the lock."""
+    """Creating the SqlAlchemyStore runs MLflow's migration; the caller holds the lock. A creation that
+    fails midway (a full disk) is removed, so that the next attempt starts clean instead of finding a
+    store that looks half-migrated or old."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-    SqlAlchemyStore(uri, str(path.parent / "mlartifacts"))
+    try:
+        SqlAlchemyStore(uri, str(path.parent / "mlartifacts"))
+    except Exception as e:
+        path.unlink(missing_ok=True)  # absent or empty before: nothing of anyone's is lost
+        cause = "the disk is full" if disk_full(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        raise StoreError(f"cannot create the MLflow store {path}: {cause} "
+                         f"({shutil.disk_usage(path.parent).free // 1024} KiB free in {path.parent})") from e
     print(f"klbench: created the MLflow store {path}", file=sys.stderr)
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """Whether a full disk is somewhere in `e`'s chain of causes (SQLAlchemy and MLflow wrap it)."""
+    while e is not None:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "database or disk is full" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def repair(path: Path) -> str:

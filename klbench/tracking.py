@@ -13,9 +13,13 @@ rules that keep the MLflow record true.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import shutil
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
@@ -24,7 +28,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from klbench import runs, store
+from klbench.redact import redact, redact_obj
 
+RETRIES_ENV = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"  # read by MLflow at every request
 CKPT_KEY = "klbench"  # the checkpoint's own section: config, pending metrics, step
 
 
@@ -45,7 +51,8 @@ def run_name(cfg: DictConfig) -> str:
 
 
 def flat_params(cfg: DictConfig) -> dict[str, str]:
-    """Resolved config flattened with '.' (estimator.name, estimator.beta, ...); MLflow caps values at 6000 chars."""
+    """Resolved config flattened with '.' (estimator.name, estimator.beta, ...); MLflow caps values at 6000 chars.
+    A password in a URL (store.optuna, store.mlflow) becomes *** (klbench.redact)."""
     out: dict[str, str] = {}
 
     def walk(node, prefix: str) -> None:
@@ -53,7 +60,7 @@ def flat_params(cfg: DictConfig) -> dict[str, str]:
             for k, v in node.items():
                 walk(v, f"{prefix}{k}.")
         else:
-            out[prefix[:-1]] = str(node)[:6000]
+            out[prefix[:-1]] = redact(str(node))[:6000]
 
     walk(OmegaConf.to_container(cfg, resolve=True), "")
     return out
@@ -117,7 +124,7 @@ class RecordLogger(Logger):
         if self.client is None:
             return
         if error:
-            self.client.set_tag(self.run_id, runs.ERROR if status == "FAILED" else runs.ENDED, error[:5000])
+            self.client.set_tag(self.run_id, runs.ERROR if status == "FAILED" else runs.ENDED, redact(error)[:5000])
         self.client.set_terminated(self.run_id, status)
 
     def finalize(self, status: str) -> None:
@@ -154,7 +161,7 @@ def build_logger(cfg: DictConfig, resume: bool = False):
         try:
             old_tags = client.get_run(run_id).data.tags
         except mlflow.exceptions.MlflowException as e:
-            raise ValueError(f"{id_file} names MLflow run {run_id}, which is not in {lg.tracking_uri}") from e
+            raise ValueError(f"{id_file} names MLflow run {run_id}, which is not in {redact(lg.tracking_uri)}") from e
         for k, v in tags.items():
             client.set_tag(run_id, k, v)
         for stale in (runs.ENDED, runs.ERROR):  # how the last attempt ended; this one starts afresh
@@ -173,7 +180,7 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     params = [Param(k, v) for k, v in flat_params(cfg).items()]
     for i in range(0, len(params), 100):  # MLflow's log_batch limit for params
         client.log_batch(run_id, params=params[i:i + 100])
-    client.log_text(run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+    client.log_text(run_id, redact(OmegaConf.to_yaml(cfg, resolve=True)), "config.yaml")
     return RecordLogger(client, run_id, lg.experiment)
 
 
@@ -209,7 +216,6 @@ def settle_folder_run(cfg: DictConfig, why: str) -> None:
             client.set_tag(run.info.run_id, runs.ENDED, why[:5000])
             client.set_terminated(run.info.run_id, "KILLED")
     except Exception as e:  # the refusal is what the user must see
-        import logging
         logging.getLogger(__name__).warning("could not settle this folder's MLflow run: %s", e)
 
 
@@ -223,6 +229,10 @@ def recorded(logger):
     try:
         yield
     except Exception as e:
+        if logger.client is not None and (why := store_failure(e, logger.client.tracking_uri)):
+            # one quick try to say FAILED: another round of MLflow's minutes of retries helps nobody
+            marked = _end_quietly(logger, "FAILED", why, commit=False, retries=0, say=False)
+            raise RecordUnavailable(why, logger.run_id, marked) from e
         _end_quietly(logger, "FAILED", f"{type(e).__name__}: {e}", commit=True)
         raise
     except BaseException as e:  # KeyboardInterrupt, SystemExit (SIGTERM, a requeue): it may resume
@@ -230,23 +240,76 @@ def recorded(logger):
         raise
 
 
-def _end_quietly(logger: RecordLogger, status: str, why: str, commit: bool) -> None:
-    import logging
+class RecordUnavailable(RuntimeError):
+    """The store stopped taking the run's record (its server does not answer, its disk is full).
+    The CLI says so in one line, with whether the run is marked FAILED and the command that resumes it."""
+
+    def __init__(self, why: str, run_id: str, marked: bool):
+        super().__init__(why)
+        self.why, self.run_id, self.marked = why, run_id, marked
+
+
+def store_failure(e: BaseException, tracking_uri: str) -> str | None:
+    """What made the record unwritable, in words; None when `e` is another failure. Looks down the chain
+    of causes: MLflow wraps the connection error, SQLAlchemy the SQLite one."""
+    from klbench.console import display_uri
+    seen: BaseException | None = e
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:  # a checkpoint, an artifact
+            where = seen.filename2 or seen.filename or "the run folder"
+            return f"the disk is full (writing {where}; {_free(where)})"
+        if "database or disk is full" in text:  # SQLite, wrapped by SQLAlchemy and MLflow
+            where = store.sqlite_path(tracking_uri) or "the store"
+            return f"the disk is full (writing {where}; {_free(where)})"
+        if "API request to" in text and ("Max retries exceeded" in text or "onnection" in text):
+            return f"the MLflow server {display_uri(tracking_uri)} does not answer"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _free(path) -> str:
+    for p in (path, *Path(path).parents):
+        if os.path.exists(p):
+            return f"{shutil.disk_usage(p).free // 1024} KiB free there"
+    return "free space unknown"
+
+
+def _end_quietly(logger: RecordLogger, status: str, why: str, commit: bool, retries: int | None = None,
+                 say: bool = True) -> bool:
+    """Ends the run with `status`; False (and, if `say`, one line, no traceback) when the store refuses."""
+    old = os.environ.get(RETRIES_ENV)
+    if retries is not None:
+        os.environ[RETRIES_ENV] = str(retries)
+    # MLflow logs each failed database write with its traceback; the caller says it in one line instead
+    mlflow_db_log = logging.getLogger("mlflow.store.db.utils")
+    mlflow_db_log.disabled = not say
     try:
         if commit:
             logger.commit()
         logger.end(status, why)
-    except Exception:  # the store itself may be what failed; the original error matters more
-        logging.getLogger(__name__).exception("could not mark MLflow run %s %s", logger.run_id, status)
+        return True
+    except Exception as e:  # the store itself may be what failed; the original error matters more
+        if say:
+            logging.getLogger(__name__).error("could not mark MLflow run %s %s: %s", logger.run_id, status,
+                                              str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+        return False
+    finally:
+        mlflow_db_log.disabled = False
+        if retries is not None and old is None:
+            del os.environ[RETRIES_ENV]
+        elif retries is not None:
+            os.environ[RETRIES_ENV] = old
 
 
 class RecordCheckpoint(Callback):
     """Writes <ckpt_dir>/last.ckpt after every validation of a fit, atomically (a kill mid-write leaves
-    the previous checkpoint whole), with the run's config and pending metrics; then commits them."""
+    the previous checkpoint whole), with the run's config (passwords in URLs as ***) and pending metrics;
+    then commits them."""
 
     def __init__(self, ckpt_dir: str, config: dict):
         self.path = os.path.join(ckpt_dir, "last.ckpt")
-        self.config = config
+        self.config = redact_obj(config)
 
     @staticmethod
     def of(trainer) -> "RecordCheckpoint":

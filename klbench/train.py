@@ -1,9 +1,11 @@
 """Build a run from a composed config and train it. Hydra-free: takes an OmegaConf config."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
+import socket
 import time
 import warnings
 
@@ -14,7 +16,7 @@ from klbench import lean
 
 with lean.lightning():  # without torchmetrics' transformers, scipy and matplotlib (klbench/lean.py)
     import lightning.pytorch as pl
-from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.plugins.environments import LSFEnvironment, SLURMEnvironment, TorchElasticEnvironment
 
 from klbench import console, progress, resume, tracking
 from klbench.policies import build_policy
@@ -41,15 +43,66 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError("hardware.precision=bf16 but this GPU does not support bfloat16")
 
 
-def build_data(cfg: DictConfig, fixed_prompt: str | None = None) -> pl.LightningDataModule:
-    """The `dataset` group's prompts, or for a policy that ignores prompts (Policy.fixed_prompt) its one prompt."""
-    from klbench.data import PromptData, load_prompts
+_ddp_store = None  # the store of local_ddp_store, alive until the process exits (or the next run's replaces it)
+
+
+def local_ddp_store(cfg: DictConfig) -> None:
+    """hardware=ddp on this machine alone (no SLURM, torchrun or LSF): the rendezvous store of the
+    ranks listens on 127.0.0.1 only.
+
+    torch's TCPStore server (rank 0's) binds the wildcard address, :: or 0.0.0.0, whatever MASTER_ADDR says:
+    the address only tells clients where to connect (torch 2.13, both the libuv and the legacy backend). So
+    klbench binds the socket to 127.0.0.1 itself, serves a TCPStore on it (master_listen_fd), and has every
+    rank, rank 0 included, connect as a client: TORCHELASTIC_USE_AGENT_STORE=True is torch's switch for a
+    store hosted by someone else (torch.distributed.rendezvous._create_c10d_store). The ranks Lightning
+    starts inherit the environment. A MASTER_ADDR that is not loopback is the user's choice and kept.
+    NCCL (GPUs) picks its own interface for its bootstrap: NCCL_SOCKET_IFNAME=lo keeps it on loopback.
+    """
+    global _ddp_store
+    hw = cfg.hardware
+    one_device = hw.devices == 1 or (OmegaConf.is_list(hw.devices) and len(hw.devices) == 1)
+    ddp = "ddp" in str(hw.strategy) or (hw.strategy == "auto" and not one_device)  # auto: ddp on 2+ devices
+    if not ddp or hw.num_nodes != 1 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return  # no process group, several nodes, or a rank Lightning started (the store is its parent's)
+    if any(env.detect() for env in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment)):
+        return  # ranks and rendezvous come from the cluster (docs/scale-out.md)
+    if not _loopback(os.environ.get("MASTER_ADDR", "127.0.0.1")):
+        return
+    _ddp_store = None  # a previous run's, in this process: its port may be the one MASTER_PORT names
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", int(os.environ.get("MASTER_PORT", "0"))))  # 0: a free port
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    # the store's libuv server owns the socket from here on (it closes it)
+    _ddp_store = torch.distributed.TCPStore("127.0.0.1", port, None, True, master_listen_fd=sock.detach(),
+                                            wait_for_workers=False, use_libuv=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    # gloo (CPU) listens on the address of the host's name unless told an interface: loopback here too
+    loopback = [name for _, name in socket.if_nameindex() if name in ("lo", "lo0")]
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback[0])
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+
+
+def build_data(cfg: DictConfig, fixed_prompt: str | None = None, policy=None) -> pl.LightningDataModule:
+    """The `dataset` group's prompts, or for a policy that ignores prompts (Policy.fixed_prompt) its one prompt.
+    With `policy`, the prompts are checked against its context before anything is trained."""
+    from klbench.data import PromptData, check_prompt_lengths, load_prompts
     t = cfg.task
     if (prompt := fixed_prompt) is not None:  # the data only sets the batch shape
         # many batches per epoch, so every DDP process gets full batches after the sampler splits them
         return PromptData([prompt] * t.prompts_per_step * 64, [prompt] * t.val_prompts,
                           t.prompts_per_step, t.val_prompts, cfg.seed)
     train, val = load_prompts(cfg.dataset)
+    if policy is not None:
+        check_prompt_lengths(cfg.dataset, policy, train, val[:t.val_prompts])
     return PromptData(train, val, t.prompts_per_step, t.val_prompts, cfg.seed)
 
 
@@ -89,11 +142,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if payload is not None:
         log.info("resuming from step %s of %s", payload.get("step"), ckpt_path)
     pl.seed_everything(cfg.seed, workers=True)
+    local_ddp_store(cfg)
     t0 = time.time()
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"))
     reward = build_reward(cfg.reward, policy)
     module = build_task(cfg, policy, reward)
-    data = build_data(cfg, policy.fixed_prompt)
+    data = build_data(cfg, policy.fixed_prompt, policy)
     logger = tracking.build_logger(cfg, resume=ckpt_path is not None)
     if payload is not None and isinstance(logger, tracking.RecordLogger):
         logger.restore(payload["pending_metrics"])

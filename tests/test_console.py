@@ -67,6 +67,20 @@ def test_run_ends_with_where_its_record_is(tmp_path):
     assert last.endswith(run_id)  # they are the run's last lines
 
 
+def test_where_lines_paste_into_a_shell_with_spaces_in_the_outputs_path(tmp_path):
+    """The printed `mlflow ui` command, split by bash as a paste would be, names the run's store."""
+    from mlflow.tracking import MlflowClient
+    outputs = tmp_path / "my runs" / "out dir"
+    outputs.mkdir(parents=True)
+    lines = where(klbench(outputs, *TINY).stdout)
+    assert Path(lines["run folder"]).is_dir() and outputs in Path(lines["run folder"]).parents
+    argv = subprocess.run(["bash", "-c", lines["to see it"].replace("mlflow ui", "printf '%s\\n'", 1)],
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    assert argv == ["--backend-store-uri", f"sqlite:///{outputs.resolve()}/mlflow.db"], lines["to see it"]
+    run_id = lines["MLflow run"].split()[0]
+    assert MlflowClient(tracking_uri=argv[1]).get_run(run_id).info.status == "FINISHED"
+
+
 VERBOSITY = """
 import logging, sys, warnings
 logging.basicConfig(stream=sys.stdout, format="%(name)s: %(message)s", level=logging.INFO)
@@ -107,6 +121,8 @@ def test_help_names_klbench_and_lists_the_sweeps():
 def test_mlflow_ui_lines():
     assert console.mlflow_ui_lines("sqlite:////o/mlflow.db", "3", "abc") == [
         "mlflow ui --backend-store-uri sqlite:////o/mlflow.db", "then open http://127.0.0.1:5000/#/experiments/3/runs/abc"]
+    assert console.mlflow_ui_lines("sqlite:////my runs/it's/mlflow.db", "3", None)[0] == \
+        "mlflow ui --backend-store-uri 'sqlite:////my runs/it'\"'\"'s/mlflow.db'"
     assert console.mlflow_ui_lines("http://mlflow-host:5000/", "3", None) == [
         "open http://mlflow-host:5000/#/experiments/3"]
     assert console.display_uri("postgresql://klbench:secret@db/klbench") == "postgresql://klbench:***@db/klbench"

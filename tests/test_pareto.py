@@ -230,3 +230,47 @@ def test_pareto_reads_the_store_runs_write(store, tmp_path, monkeypatch, capsys)
     assert main(["--experiment", "sweep-a"]) == 0
     assert f"tracking URI: sqlite:///{outputs.resolve()}/mlflow.db" in capsys.readouterr().out
     assert list((outputs / "pareto").glob("*/pareto.png")) and not (tmp_path / "outputs").exists()
+
+
+# ---- one run per trial: a sweep that lost track of a trial may have trained it twice ----
+
+def test_one_per_trial_keeps_the_newest_run_of_each_trial():
+    from klbench.frontier import one_per_trial
+    base = {"estimator.name": "rb", "estimator.beta": "0.1", "seed": "0", "task.max_steps": "60"}
+
+    def point(run_id, parent, start, **params):
+        return {"run_id": run_id, "parent": parent, "start_time": start, "params": {**base, **params}}
+    again = point("again", "P", 2, **{"paths.ckpt_dir": "/b/0/checkpoints", "ckpt_path": "last"})
+    first = point("first", "P", 1, **{"paths.ckpt_dir": "/a/0/checkpoints"})  # the same trial: bookkeeping differs
+    other_beta = point("beta", "P", 3, **{"estimator.beta": "0.2"})
+    other_seed = point("seed", "P", 0, seed="1")
+    other_sweep = point("sweep", "Q", 0)  # another sweep's run of the same config: its own point
+    by_hand = [point("hand1", None, 5), point("hand2", None, 6)]  # a config run twice by hand: a repeat
+    kept, dropped = one_per_trial([again, first, other_beta, other_seed, other_sweep, *by_hand])
+    assert [p["run_id"] for p in kept] == ["again", "beta", "seed", "sweep", "hand1", "hand2"]
+    assert [p["run_id"] for p in dropped] == ["first"]
+    kept, dropped = one_per_trial([first, again])  # the newest wins whatever the order
+    assert [p["run_id"] for p in kept] == ["again"] and [p["run_id"] for p in dropped] == ["first"]
+
+
+def test_collect_runs_counts_a_trial_once(store, tmp_path):
+    from mlflow.entities import Metric, Param
+    client = store["client"]
+    exp = client.create_experiment("sweep-twice", artifact_location=str(tmp_path / "artifacts"))
+    parent = client.create_run(exp, run_name="sweep-parent").info.run_id
+
+    def trial(beta: float, reward: float, start: int, run_dir: str) -> str:
+        tags = {"mlflow.parentRunId": parent, "klbench.steps_done": "60", "klbench.max_steps": "60"}
+        rid = client.create_run(exp, start_time=start, tags=tags).info.run_id
+        client.log_batch(rid, metrics=[Metric("val/reward", reward, start, 60), Metric("val/seq_kl", 1.0, start, 60)],
+                         params=[Param("estimator.name", "rb"), Param("estimator.beta", str(beta)), Param("seed", "0"),
+                                 Param("paths.ckpt_dir", f"{run_dir}/checkpoints")])
+        client.set_terminated(rid, "FINISHED")
+        return rid
+    first = trial(0.1, 0.2, 1000, "/sweep/0")
+    other = trial(0.3, 0.5, 1500, "/sweep/1")
+    again = trial(0.1, 0.25, 2000, "/rerun/0")  # the rerun of a sweep that lost track of trial 0
+    runs = collect_runs(client, parent_run_id=parent)
+    assert sorted(r["run_id"] for r in runs) == sorted([other, again])
+    assert runs.skipped == {"older run of the same trial": [first]}
+    assert runs.describe() == "2 used, 1 skipped (1 older run of the same trial)"

@@ -64,7 +64,7 @@ def test_every_sweep_validates(tmp_path, sweep):
     "hardware.devices=-1", "hardware.devices=auto", "hardware.devices=[0,1]", "hardware.devices=2",
     *[f"hardware.precision={p}" for p in ("64", "32", "16", "bf16", "32-true", "16-mixed", "bf16-mixed", "bf16-true",
                                           "64-true", "16-true", "transformer-engine")],
-    "estimator.beta=0", "estimator.beta=1", "task.lr=1", "task.grad_clip=null", "task.reward_coef=0",
+    "estimator.beta=0", "estimator.beta=1", "estimator.beta=10000", "task.max_new_tokens=127", "task.lr=1", "task.grad_clip=null", "task.reward_coef=0",
     "ckpt_path=last", "++ckpt_allow_changes=[task.max_steps,estimator]", "++ckpt_allow_changes=[*]",
     "reward=hf_classifier", "model=hf"])
 def test_good_values_pass(tmp_path, override):
@@ -97,6 +97,14 @@ BAD = [
     (["task.n_samples=4.0"], "task.n_samples"), (["task.reward_coef=nan"], "task.reward_coef"),
     (["estimator.beta=nan"], "estimator.beta"), (["estimator.beta=inf"], "estimator.beta"),
     (["estimator.beta=-1"], "estimator.beta"), (["estimator.beta=abc"], "estimator.beta"),
+    (["estimator.beta=1e308"], "estimator.beta"), (["estimator.beta=10001"], "estimator.beta"),
+    (["kl_ctl=adaptive", "kl_ctl.init_beta=1e5"], "kl_ctl.init_beta"),
+    # the embedded LMs' context: 128 positions for prompt and response (model.spec.n_positions)
+    (["task.max_new_tokens=100000"], "task.max_new_tokens=100000"),
+    (["task.max_new_tokens=128"], "task.max_new_tokens=128"),
+    (["model.spec.n_positions=16", "task.max_new_tokens=16"], "task.max_new_tokens=16"),
+    (["experiment=distill", "task.max_new_tokens=500"], "task.max_new_tokens=500"),
+    (["task=probe", "task.max_new_tokens=500"], "task.max_new_tokens=500"),
     (["estimator.beta=true"], "estimator.beta"), (["estimator=loo", "estimator.beta=abc"], "estimator.beta"),
     (["estimator=naive_cv", "estimator.lam=nan"], "estimator.lam"),
     (["estimator=naive_cv", "estimator.level=tok"], "estimator.level"),
@@ -125,7 +133,14 @@ def test_bad_value_names_the_field(tmp_path, overrides, field):
 
 def test_messages_say_what_is_valid(tmp_path):
     assert raises_naming(compose_cfg(tmp_path, ["estimator.beta=nan"]), "estimator.beta") == \
-        "estimator.beta must be a finite number >= 0, got nan"
+        "estimator.beta must be a finite number >= 0 and <= 10000 (a larger one leaves the reward no weight; " \
+        "task.reward_coef=0 trains on the KL alone), got nan"
+    assert raises_naming(compose_cfg(tmp_path, ["kl_ctl=adaptive", "estimator.beta=0.1", "kl_ctl.init_beta=1e5"]),
+                         "kl_ctl.init_beta") == "kl_ctl.init_beta must be <= 10000, like estimator.beta, got 100000.0"
+    assert raises_naming(compose_cfg(tmp_path, ["task.max_new_tokens=100000"]), "task.max_new_tokens=100000") == \
+        "task.max_new_tokens=100000 does not fit the context of the embedded model (preset reference): its " \
+        "model.spec.n_positions=128 positions hold the prompt and the response together, so " \
+        "task.max_new_tokens must be < 128"
     assert raises_naming(compose_cfg(tmp_path, ["+estimator.lam=0.5"]), "estimator.lam") == \
         "estimator.lam does not apply to estimator 'rb' (its options: beta)"
     assert "'token' or 'sequence'" in raises_naming(compose_cfg(tmp_path, ["estimator=naive_cv", "estimator.level=x"]),

@@ -32,6 +32,11 @@ class SweepTracking(Callback):
         self.tracking_uri: str | None = None
         self.study: tuple[str, str] | None = None  # (name, storage)
 
+    def __getstate__(self) -> dict:
+        # submitit pickles this object into every trial's job file in the sweep folder; the URLs (which may
+        # carry passwords) are the sweeper's business only, so they stay out of those files
+        return {**self.__dict__, "tracking_uri": None, "study": None}
+
     # ---- sweeper side ----
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

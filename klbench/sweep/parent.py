@@ -14,12 +14,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from klbench.redact import redact
 from klbench.sweep.exact import exact_frontier
 from klbench.sweep.study import STUDY_PARENT, failed_trials
 
 log = logging.getLogger(__name__)
 
 PARENT_FILE = "mlflow_parent_run_id.txt"  # in the sweep folder, read by every trial
+# what an invocation's end writes only in some cases: a resumed parent run starts without them
+STALE_TAGS = ("klbench.error", "klbench.ended", "klbench.sweep.result", "klbench.sweep.failed_trials")
 
 
 def open_parent(config: DictConfig, study, n_trials) -> str:
@@ -39,7 +42,7 @@ def open_parent(config: DictConfig, study, n_trials) -> str:
     if study is not None:
         study.set_user_attr(STUDY_PARENT, parent)
     (sweep_dir / PARENT_FILE).write_text(parent)
-    log.info("MLflow parent run %s in experiment %r (%s)", parent, lg.experiment, lg.tracking_uri)
+    log.info("MLflow parent run %s in experiment %r (%s)", parent, lg.experiment, redact(lg.tracking_uri))
     return parent
 
 
@@ -62,6 +65,9 @@ def reopen_parent(client, study, exp_id: str) -> str | None:
         log.warning("run %s was left RUNNING by a process that is gone: marked KILLED", dead)
     for k, v in owner_tags().items():
         client.set_tag(run_id, k, v)
+    for stale in STALE_TAGS:  # how the last invocation ended: this one ends afresh
+        if stale in run.data.tags:
+            client.delete_tag(run_id, stale)
     client.update_run(run_id, status="RUNNING")
     log.info("resuming the study's parent run %s", run_id)
     return run_id
@@ -75,7 +81,7 @@ def new_parent(client, exp_id: str, config: DictConfig, study, n_trials) -> str:
     from klbench.runs import owner_tags
     tags = {"klbench.sweep": sweep, **owner_tags()}
     if study is not None:
-        tags.update({"optuna.study_name": study.study_name, "optuna.storage": str(sw.storage)})
+        tags.update({"optuna.study_name": study.study_name, "optuna.storage": redact(str(sw.storage))})
     run_id = client.create_run(exp_id, run_name=name, tags=tags).info.run_id
     params = {"sweep.name": sweep, "sweep.overrides": " ".join(config.hydra.overrides.task),
               "sweep.launcher": config.hydra.launcher.get("_target_", ""),
@@ -83,8 +89,9 @@ def new_parent(client, exp_id: str, config: DictConfig, study, n_trials) -> str:
               "sweep.n_jobs": sw.get("n_jobs"), "sweep.max_failure_rate": sw.get("max_failure_rate"),
               "sweep.direction": sw.get("direction")}
     params.update({f"sweep.params.{k}": v for k, v in (sw.get("params") or {}).items()})
-    client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items() if v is not None])
-    client.log_text(run_id, OmegaConf.to_yaml(sw, resolve=True), "sweep/sweeper.yaml")
+    # the URLs on the command line and the sweeper's storage may carry passwords: the record keeps none
+    client.log_batch(run_id, params=[Param(k, redact(str(v))[:6000]) for k, v in params.items() if v is not None])
+    client.log_text(run_id, redact(OmegaConf.to_yaml(sw, resolve=True)), "sweep/sweeper.yaml")
     return run_id
 
 
@@ -100,7 +107,16 @@ def finish(client, config: DictConfig, parent: str, study: tuple[str, str] | Non
     statuses = sorted({r.info.status for r in children})
     counts = {s: sum(r.info.status == s for r in children) for s in statuses}
     client.set_tag(parent, "klbench.sweep.trials", ", ".join(f"{n} {s}" for s, n in counts.items()) or "none")
-    if failed := failed_trials(study):
+    from klbench.sweep.storage import StorageUnreachable
+    try:
+        failed = failed_trials(study)
+    except StorageUnreachable:  # the sweep stopped on it (Hydra still calls its end): not a result
+        client.set_tag(parent, "klbench.error", "the Optuna storage was unreachable, so the sweep stopped before "
+                                                "its end; rerun the same command to finish it")
+        client.set_terminated(parent, "FAILED")
+        log.warning("sweep %s stopped before its end: parent run marked FAILED until a rerun finishes it", parent)
+        return
+    if failed:
         # trials stopped by their config have no MLflow run: the study is where they are recorded
         client.set_tag(parent, "klbench.sweep.failed_trials", failed[:5000])
         log.warning("failed trials (see each trial's log for the error): %s", failed)
@@ -125,7 +141,7 @@ def finish(client, config: DictConfig, parent: str, study: tuple[str, str] | Non
 def fail(client, parent: str) -> None:
     """Call while handling the exception that stopped `finish`: the parent run ends FAILED with it."""
     log.exception("could not summarise sweep run %s; marking it FAILED", parent)
-    client.set_tag(parent, "klbench.error", traceback.format_exc(limit=0)[-5000:])
+    client.set_tag(parent, "klbench.error", redact(traceback.format_exc(limit=0))[-5000:])
     client.set_terminated(parent, "FAILED")
 
 

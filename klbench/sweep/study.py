@@ -1,5 +1,6 @@
 """The sweep's Optuna study: resumed instead of duplicated, the trials a dead sweep left RUNNING settled,
-and the budget counted over every invocation of the same command.
+and the budget counted over every invocation of the same command. The sweep's process reaches the study
+through klbench.sweep.storage, which waits out a briefly unreachable database.
 
 The Optuna sweeper plugin offers none of this, so it is done around it: by editing the config the
 plugin is built from (Hydra instantiates the sweeper after the callbacks' on_multirun_start), through
@@ -14,12 +15,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from klbench.redact import redact, redact_obj
+from klbench.sweep.orphans import RETRY_OF, STUDY_PARENT, STUDY_SWEEP_DIR, job_folders, settle_orphans, trial_runs
+
 log = logging.getLogger(__name__)
 
-STUDY_PARENT = "klbench.mlflow_parent_run_id"  # study user attrs
-STUDY_SETUP = "klbench.setup"
-STUDY_SWEEP_DIR = "klbench.sweep_dir"  # the folder of the study's latest invocation
-RETRY_OF = "klbench.retry_of"  # trial user attr: number of the interrupted trial this one re-runs
+STUDY_SETUP = "klbench.setup"  # study user attr: what its trials run (the others: klbench.sweep.orphans)
 
 
 def tolerate_grid_stop() -> None:
@@ -52,26 +53,43 @@ def prepare_study(config: DictConfig):
     """
     sw = config.hydra.sweeper
     name, storage = sw.get("study_name"), sw.get("storage")
+    if name and not storage and OmegaConf.select(config, "store.kind") == "server":
+        # a single run never opens the study, so the schema lets store.optuna be null; a sweep needs it
+        from klbench.schema import OPTUNA_URL, ConfigError
+        raise ConfigError(f"store.optuna must be {OPTUNA_URL}: a sweep with store=server keeps its Optuna "
+                          "study there, got null")
     if not (name and storage and "n_trials" in sw):
         return None  # not the Optuna sweeper, or an in-memory study: nothing to resume
     import optuna
     from optuna.trial import TrialState
+
+    from klbench import jobs
+    from klbench.sweep import storage as resilient
+    resilient.install(storage)
     dirs = sw.direction if OmegaConf.is_list(sw.direction) else [sw.direction]
     study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
                                 directions=[getattr(d, "name", str(d)) for d in dirs])
-    # what the trials run: the command line's task overrides and the search space
-    setup = {"overrides": sorted(config.hydra.overrides.task),
-             "params": {k: str(v) for k, v in (sw.get("params") or {}).items()}}
+    # what the trials run: the command line's task overrides and the search space (a password in a URL
+    # there is not kept: the same command with another password is the same sweep)
+    setup = redact_obj({"overrides": sorted(config.hydra.overrides.task),
+                        "params": {k: str(v) for k, v in (sw.get("params") or {}).items()}})
     first = study.user_attrs.get(STUDY_SETUP)
     if first is None:
         study.set_user_attr(STUDY_SETUP, setup)
-    elif first != setup:
-        raise ValueError(f"study {name!r} in {storage} was run with {first}, this sweep has {setup}; "
+    elif redact_obj(first) != setup:  # a study an older klbench recorded with the password
+        raise ValueError(f"study {name!r} in {redact(storage)} was run with {redact_obj(first)}, "
+                         f"this sweep has {setup}; "
                          "repeat the original command to resume it, or start a new study with "
                          "hydra.sweeper.study_name=<new name>")
+    outputs, shown = Path(config.paths.outputs), redact(storage)
     if stale := study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         # only a sweep process that died leaves RUNNING trials behind (restart after it has exited)
-        settle_orphans(study, stale, study.user_attrs.get(STUDY_SWEEP_DIR))
+        folders = job_folders(config, study, jobs.recorded_sweep_dir(outputs, name, shown))
+        for folder in folders:
+            jobs.wait(folder / ".submitit")
+        settle_orphans(study, stale, folders, trial_runs(config, study),
+                       list(config.get("optimized_metrics") or ()))
+    jobs.record_sweep_dir(outputs, name, shown, Path(config.hydra.sweep.dir))
     study.set_user_attr(STUDY_SWEEP_DIR, str(config.hydra.sweep.dir))
     trials = study.get_trials(deepcopy=False)
     retried = {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
@@ -86,37 +104,6 @@ def prepare_study(config: DictConfig):
         set_hydra_value(config, "sweeper.sampler.seed", int(seed) + len(trials))
     log.info("study %r: %d of %d trials finished, running %d", name, done, total, sw.n_trials)
     return study
-
-
-def settle_orphans(study, stale: list, sweep_dir: str | None) -> None:
-    """Closes the trials a dead sweep process left RUNNING, without running any of them twice.
-
-    Their jobs outlive that process (SLURM array jobs, submitit's local processes): wait for those still
-    pending or running, then take each trial's result from its job's result file, as the sweeper would
-    have. A trial whose job left no result (never started, or killed) is marked FAIL and its parameters
-    run again; one whose job raised is marked FAIL, as the sweeper marks it.
-    """
-    from optuna.trial import TrialState
-
-    from klbench import jobs
-    returns = jobs.wait_and_collect(Path(sweep_dir) / ".submitit") if sweep_dir else []
-    for t in stale:
-        wanted = {f"{k}={v}" for k, v in t.params.items()}
-        ret = next((r for r in returns if wanted <= set(r.overrides)), None)
-        if ret is not None:
-            returns.remove(ret)
-        values = jobs.objective_values(ret, len(study.directions)) if ret is not None else None
-        if values is not None:
-            study.tell(t.number, values=values)
-            log.warning("trial %d finished after its sweep process died: result %s taken from its job",
-                        t.number, values)
-        elif ret is not None:
-            study.tell(t.number, state=TrialState.FAIL)
-            log.warning("trial %d failed after its sweep process died (see its job's log)", t.number)
-        else:
-            study.tell(t.number, state=TrialState.FAIL)
-            study.enqueue_trial(t.params, user_attrs={RETRY_OF: t.number})
-            log.warning("trial %d was interrupted: marked FAIL, its parameters %s run again", t.number, t.params)
 
 
 def set_hydra_value(config: DictConfig, key: str, value) -> None:

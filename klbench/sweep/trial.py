@@ -14,6 +14,7 @@ from pathlib import Path
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig
 
+from klbench.redact import redact
 from klbench.runs import RUN_ID_FILE
 from klbench.sweep.parent import PARENT_FILE
 
@@ -67,7 +68,7 @@ def own_checkpoint(config: DictConfig) -> bool:
     jobs from 0 again. That trial's checkpoint and MLflow run id are then not this trial's to resume.
     """
     run_dir = Path(config.hydra.runtime.output_dir)
-    me = "\n".join(config.hydra.overrides.task)
+    me = redact("\n".join(config.hydra.overrides.task))  # a file in the run folder: no password in it
     marker = run_dir / JOB_FILE
     if marker.is_file() and marker.read_text() == me:
         if (Path(config.paths.ckpt_dir) / "last.ckpt").is_file():
@@ -98,7 +99,7 @@ def record_failure(client, config: DictConfig, err: Exception, run_id: str | Non
     """Marks the failed trial's MLflow run FAILED. Lightning does that for exceptions inside fit; this
     covers the rest (non-finite final metrics, errors before the logger existed, where it creates one)."""
     from mlflow.entities import Param
-    message = f"{type(err).__name__}: {err}"[:5000]
+    message = redact(f"{type(err).__name__}: {err}")[:5000]
     if run_id is None:
         parent = os.environ.get(PARENT_ENV)
         from klbench.store import ensure_experiment
@@ -106,8 +107,9 @@ def record_failure(client, config: DictConfig, err: Exception, run_id: str | Non
         exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
         tags = {"mlflow.parentRunId": parent} if parent else {}
         overrides = list(config.hydra.overrides.task)
-        run_id = client.create_run(exp_id, run_name="failed-" + "-".join(overrides)[:200], tags=tags).info.run_id
-        client.log_batch(run_id, params=[Param(o.split("=", 1)[0], o.split("=", 1)[-1][:6000])
+        run_id = client.create_run(exp_id, run_name=redact("failed-" + "-".join(overrides))[:200],
+                                   tags=tags).info.run_id
+        client.log_batch(run_id, params=[Param(o.split("=", 1)[0], redact(o.split("=", 1)[-1])[:6000])
                                          for o in overrides if "=" in o])
     client.set_terminated(run_id, "FAILED")
     client.set_tag(run_id, "klbench.error", message)

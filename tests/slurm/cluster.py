@@ -18,6 +18,7 @@ slurmdbd only stores to MySQL/MariaDB, hence a private MariaDB on loopback.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import os
 import pwd
 import secrets
@@ -52,6 +53,15 @@ def missing() -> str | None:
     absent = [b for b in BINARIES if not shutil.which(b, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
     if absent:
         return f"{', '.join(absent)} not installed: run .ci/install_servers.sh"
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError as e:
+        return f"this host's name {host!r} does not resolve ({e}); the SLURM daemons bind to its address"
+    if not ipaddress.ip_address(addr).is_loopback:
+        # slurmctld and slurmdbd (Slurm 22.05) bind either to every interface or to the address of the host's
+        # name (NoCtldInAddrAny, NoInAddrAny); the test cluster must not listen beyond loopback
+        return f"this host's name {host!r} resolves to {addr}, not to a loopback address (see /etc/hosts)"
     return None
 
 
@@ -173,6 +183,9 @@ PartitionName=urgent Nodes={host} MaxTime=INFINITE State=UP PriorityTier=2
     _write(ETC / "plugstack.conf", "")
     # slurmdbd refuses a config readable by others (it holds the database password)
     _write(ETC / "slurmdbd.conf", f"""{auth}
+# as slurm.conf's CommunicationParameters: bind to this host's name's address (loopback, see missing()),
+# not to every interface; DbdAddr and DbdHost only tell others where slurmdbd is
+CommunicationParameters=NoInAddrAny
 DbdAddr=127.0.0.1
 DbdHost=localhost
 DbdPort={PORT + 2}
@@ -235,8 +248,46 @@ def _node_state() -> str:
 UP = {"idle", "mixed", "allocated", "completing"}  # sinfo %T of a node that takes jobs
 
 
+def listening() -> dict[str, list[str]]:
+    """The TCP addresses ("127.0.0.1:6917") that each running daemon of this cluster listens on, from /proc."""
+    out: dict[str, list[str]] = {}
+    inodes: dict[str, str] = {}  # socket inode -> daemon
+    for pidfile, name in DAEMONS:
+        pid = _pid(pidfile, name)
+        if pid is None:
+            continue
+        out[name] = []
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # exited meanwhile
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                inodes[link[8:-1]] = name
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = row.split()  # sl, local address, remote address, state (0A: LISTEN), ..., inode (10th)
+            if cols[3] != "0A" or cols[9] not in inodes:
+                continue
+            hexaddr, hexport = cols[1].split(":")
+            raw = bytes.fromhex(hexaddr)  # 32-bit words, each in the host's (little-endian) byte order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out[inodes[cols[9]]].append(f"{socket.inet_ntop(family, raw)}:{int(hexport, 16)}")
+    return out
+
+
+def loopback_only(addresses: dict[str, list[str]]) -> bool:
+    return all(ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback for addrs in addresses.values() for a in addrs)
+
+
 def healthy() -> bool:
     if not CONF.exists() or not all(_pid(*d) for d in DAEMONS):
+        return False
+    if not loopback_only(listening()):  # a cluster started by an older cluster.py: restart it
         return False
     return _node_state().rstrip("*") in UP
 
@@ -333,8 +384,10 @@ def main(argv: list[str]) -> int:
     for k, v in env().items():
         print(f"export {k}={v}")
     if cmd == "status":
+        addresses = listening()
         for pidfile, name in DAEMONS:
-            print(f"# {name}: {_pid(pidfile, name) or 'not running'}", file=sys.stderr)
+            where = ", ".join(addresses.get(name, [])) or "no TCP port"
+            print(f"# {name}: {_pid(pidfile, name) or 'not running'} ({where})", file=sys.stderr)
     return 0 if up else 1
 
 

@@ -1,10 +1,31 @@
+import importlib.util
 import logging
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slurm
+
+
+def _cluster_module():
+    """cluster.py, loaded by path as conftest.py loads it (the module keeps no state of its own)."""
+    path = Path(__file__).with_name("cluster.py")
+    spec = importlib.util.spec_from_file_location("klbench_tests_slurm_cluster_t", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_daemons_listen_on_loopback_only(slurm_cluster):
+    """docs/scale-out.md: the cluster listens on 127.0.0.1 only (slurmdbd listened on 0.0.0.0 until its
+    slurmdbd.conf said NoInAddrAny)."""
+    cluster = _cluster_module()
+    addresses = cluster.listening()
+    for name in ("mariadbd", "slurmdbd", "slurmctld", "slurmd"):
+        assert addresses.get(name), (name, addresses)
+    assert cluster.loopback_only(addresses), addresses
 
 
 def _final_state(job, timeout=30):
