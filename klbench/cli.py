@@ -46,6 +46,7 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
         sys.exit(f"klbench: error: {e}")
     from klbench.train import run  # first: it imports Lightning without what klbench never uses (lean.py)
     from klbench.resume import ResumeError
+    from klbench.schema import ConfigError
     from klbench.tracking import RecordUnavailable, store_failure
     try:
         metrics = run(cfg)
@@ -54,7 +55,7 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
             raise
         if isinstance(e, RecordUnavailable):
             sys.exit(f"klbench: error: {unavailable_advice(e, Path(cfg.paths.ckpt_dir) / 'last.ckpt')}")
-        if isinstance(e, (ResumeError, store.StoreError)):
+        if isinstance(e, (ResumeError, store.StoreError, ConfigError)):  # ConfigError: found once models load
             sys.exit(f"klbench: error: {e}")
         if why := store_failure(e, str(OmegaConf.select(cfg, "logger.tracking_uri", default="") or "")):
             sys.exit(f"klbench: error: {why}; no run was recorded: start it again once the store is back")

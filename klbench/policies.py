@@ -17,6 +17,7 @@ from torch import nn
 
 from klbench.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
+from klbench.schema import ConfigError
 from klbench.tabular import Frontier, TabularModel, TabularReward
 
 
@@ -107,7 +108,7 @@ class LMPolicy(Policy):
             # past the context GPT-2's position embedding fails with a bare IndexError; prompts from the
             # `dataset` group were checked when loaded (check_prompts), this catches the others (task=probe)
             longest = int(enc.attention_mask.sum(1).argmax())
-            raise ValueError(_too_long(f"prompt {_preview(prompts[longest])}", enc.input_ids.shape[1],
+            raise ConfigError(_too_long(f"prompt {_preview(prompts[longest])}", enc.input_ids.shape[1],
                                        self.max_new_tokens, self.context))
         ids = enc.input_ids.repeat_interleave(n, 0)  # [B*n, P]
         attn = enc.attention_mask.repeat_interleave(n, 0)  # [B*n, P]
@@ -147,7 +148,7 @@ class LMPolicy(Policy):
         lengths = [len(ids) for ids in self.tok(prompts).input_ids]
         i = max(range(len(lengths)), key=lengths.__getitem__)
         if lengths[i] + self.max_new_tokens > self.context[1]:
-            raise ValueError(f"{source}: " + _too_long(f"its longest prompt (#{i + 1}: {_preview(prompts[i])})",
+            raise ConfigError(f"{source}: " + _too_long(f"its longest prompt (#{i + 1}: {_preview(prompts[i])})",
                                                        lengths[i], self.max_new_tokens, self.context))
 
     def reference(self) -> "LMPolicy":
@@ -265,7 +266,7 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     for name, where, m in ((names[0], path, model), (names[1], ref_path, ref)):
         context = models.context_length(m.config)
         if context and max_new_tokens >= context[1]:  # no room left for a prompt (embedded: klbench.schema)
-            raise ValueError(f"task.max_new_tokens={max_new_tokens} does not fit the context of the {name}: "
+            raise ConfigError(f"task.max_new_tokens={max_new_tokens} does not fit the context of the {name}: "
                              f"{where} has {context[0]}={context[1]} positions for the prompt and the response "
                              f"together, so task.max_new_tokens must be < {context[1]}")
     return LMPolicy(model, ref, tok, max_new_tokens)
