@@ -16,12 +16,12 @@ import torch
 
 
 def experiment_config(experiment: str):
-    from klbench.compose import compose
+    from klbench.config.compose import compose
     return compose([f"experiment={experiment}"])
 
 
 def tabular_exact(lrs: list[float], sgd: bool, steps: int = 100) -> None:
-    from klbench.tabular import TabularModel
+    from klbench.exact.tabular import TabularModel
     cfg = experiment_config("distill_estimators_tabular")
     m, t = cfg.model, cfg.teacher
     teacher = TabularModel(m.K, m.T, eos=m.eos, seed=t.ref_seed, ref_scale=t.ref_scale)
@@ -49,9 +49,9 @@ def tabular_exact(lrs: list[float], sgd: bool, steps: int = 100) -> None:
 
 
 def lm_gradients(n_batches: int) -> None:
-    from klbench.data import load_prompts
+    from klbench.models.data import load_prompts
     from klbench.estimators import gradient_estimator
-    from klbench.policies import build_policy
+    from klbench.models.policies import build_policy
     torch.manual_seed(0)
     cfg = experiment_config("distill_estimators")
     t = cfg.task

@@ -4,7 +4,7 @@ tabular instances (exact enumeration, no sampling).
 
     python docs/placement_grid.py            # about 10 s
 
-Off-policy: pi_old = theta + 0.5 * N(0, 1) per instance (klbench.tabular.behaviour_tables(..., 0.5)). An
+Off-policy: pi_old = theta + 0.5 * N(0, 1) per instance (klbench.exact.tabular.behaviour_tables(..., 0.5)). An
 estimator that refuses old_logp != logp is audited with old_logp withheld (what it would do if it were fed
 pi_old's samples anyway), and marked so.
 """
@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from klbench.estimators import gradient_estimator
-from klbench.tabular import audit
+from klbench.exact.tabular import audit
 
 CELLS = [  # (cell, estimator, options, n, known name)
     ("k1 in reward", "in_reward", {"value": "k1"}, 1, "`seq`; RLOO/TRL RLOOTrainer KL"),

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import mlflow
 
-from klbench.mlflow_io import estimator_label
+from klbench.analysis.mlflow_io import estimator_label
 
 
 def _runs(client, experiment: str):

@@ -5,7 +5,7 @@
 
 Unlike `klbench-pareto`, it draws the exact frontier for tabular sweeps and reports each
 estimator's distance to it. The store is $MLFLOW_TRACKING_URI, else outputs/mlflow.db under
-$KLBENCH_OUTPUTS or the current folder (klbench.store.tracking_uri, as for klbench runs).
+$KLBENCH_OUTPUTS or the current folder (klbench.record.store.tracking_uri, as for klbench runs).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def main() -> None:
     p.add_argument("--title", default=None)
     args = p.parse_args()
 
-    from klbench.frontier import format_table, summarize
-    from klbench.mlflow_io import collect_runs, open_client
-    from klbench.plots import plot_pareto
+    from klbench.analysis.frontier import format_table, summarize
+    from klbench.analysis.mlflow_io import collect_runs, open_client
+    from klbench.analysis.plots import plot_pareto
     client, _ = open_client()
     runs = collect_runs(client, args.experiment)
     print(f"runs: {runs.describe()}")
@@ -55,7 +55,7 @@ def gap_table(recs: list[dict], frontier) -> None:
 def tabular_frontier():
     """The exact frontier of the default tabular experiment, built as the sweep callback builds it."""
     from klbench.sweep.exact import exact_frontier
-    from klbench.compose import compose
+    from klbench.config.compose import compose
     return exact_frontier(compose(["experiment=tabular"]))
 
 

@@ -1,6 +1,6 @@
 """`klbench`: the Hydra entry point. Returns (val/reward, val/seq_kl) for the Optuna sweeper.
 
-The config is checked (klbench.schema) before torch, Lightning or MLflow are imported, so a bad value
+The config is checked (klbench.config.schema) before torch, Lightning or MLflow are imported, so a bad value
 fails in about a second, leaves no MLflow run and no run folder.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from klbench import rundir, store
-from klbench.embedded.cache import cache_dir
+from klbench.record import rundir, store
+from klbench.models.embedded.cache import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 # conf/config.yaml puts ${klbench_root:}/sweeps on Hydra's search path wherever klbench is run from
@@ -25,12 +25,12 @@ OmegaConf.register_resolver("klbench_root", lambda: str(ROOT), replace=True)
 # the sweep group's options, for `klbench --help` (conf/config.yaml, hydra.help.template)
 OmegaConf.register_resolver("klbench_sweeps", lambda: ", ".join(sorted(p.stem for p in (ROOT / "sweeps" / "sweep")
                                                                       .glob("*.yaml"))), replace=True)
-# one place (klbench.store) decides where the record lives, for runs, sweeps and klbench-pareto alike
+# one place (klbench.record.store) decides where the record lives, for runs, sweeps and klbench-pareto alike
 OmegaConf.register_resolver("klbench_outputs", lambda: str(store.outputs_dir()), replace=True)
 OmegaConf.register_resolver("klbench_tracking_uri", store.tracking_uri, replace=True)
-# run and sweep folders that no other process shares (klbench/rundir.py); cached, like Hydra's `now`
+# run and sweep folders that no other process shares (klbench/record/rundir.py); cached, like Hydra's `now`
 OmegaConf.register_resolver("klbench_claim", rundir.claim, use_cache=True, replace=True)
-# the per-user cache of embedded models (klbench.embedded.cache), shared by every outputs folder
+# the per-user cache of embedded models (klbench.models.embedded.cache), shared by every outputs folder
 OmegaConf.register_resolver("klbench_cache", lambda: str(cache_dir()), replace=True)
 
 
@@ -44,10 +44,10 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # fails this trial only; the sweep records it and goes on
         sys.exit(f"klbench: error: {e}")
-    from klbench.train import run  # first: it imports Lightning without what klbench never uses (lean.py)
-    from klbench.resume import ResumeError
-    from klbench.schema import ConfigError
-    from klbench.tracking import RecordUnavailable, store_failure
+    from klbench.tasks.train import run  # first: it imports Lightning without what klbench never uses (lean.py)
+    from klbench.record.resume import ResumeError
+    from klbench.config.schema import ConfigError
+    from klbench.record.tracking import RecordUnavailable, store_failure
     try:
         metrics = run(cfg)
     except Exception as e:  # what the user can act on is said in one line, with what to do
@@ -67,7 +67,7 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
 
 def check(cfg: DictConfig) -> None:
     """Everything that can be told from the config alone (no torch, no MLflow)."""
-    from klbench.schema import ConfigError, validate
+    from klbench.config.schema import ConfigError, validate
     hc = HydraConfig.get()
     sweep = hc.runtime.choices.get("sweep")
     if sweep and hc.mode != RunMode.MULTIRUN:

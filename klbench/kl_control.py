@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-# labels of klbench.estimators.values.REPORTED that may drive the controller (klbench.schema lists them
+# labels of klbench.estimators.values.REPORTED that may drive the controller (klbench.config.schema lists them
 # without importing torch; tests/test_kl_control.py keeps the two lists equal)
 SIGNALS = ("mc", "k2", "k3", "cv_seq", "cv_opt", "rb")
 HORIZON_UNITS = ("steps", "sequences")

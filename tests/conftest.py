@@ -39,8 +39,8 @@ def single_thread():
 
 
 def _save_tiny_lm(path, texts_seed: int, vocab_size: int, seed: int) -> str:
-    from klbench.embedded.build import build_gpt2, train_tokenizer
-    from klbench.embedded.corpus import generate_reviews
+    from klbench.models.embedded.build import build_gpt2, train_tokenizer
+    from klbench.models.embedded.corpus import generate_reviews
     tok = train_tokenizer(generate_reviews(300, seed=texts_seed), vocab_size)
     model = build_gpt2(len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64, seed=seed,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

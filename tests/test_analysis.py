@@ -1,4 +1,4 @@
-"""How the analyses are layered: the maths (klbench.frontier, klbench.distill_curves) loads neither MLflow
+"""How the analyses are layered: the maths (klbench.analysis.frontier, klbench.analysis.distill_curves) loads neither MLflow
 nor matplotlib, the plots leave the caller's matplotlib backend alone, and both commands
 (klbench-pareto, klbench-distill-report) find the store as klbench runs do."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from klbench import distill_report, pareto
+from klbench.analysis import distill_report, pareto
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -19,7 +19,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 def test_the_maths_loads_no_mlflow_and_no_matplotlib():
     proc = run_python("""
         import sys
-        import klbench.distill_curves, klbench.frontier
+        import klbench.analysis.distill_curves, klbench.analysis.frontier
         heavy = sorted(m for m in ("mlflow", "matplotlib", "hydra", "torch", "lightning") if m in sys.modules)
         assert not heavy, heavy
     """)
@@ -40,8 +40,8 @@ def test_plots_leave_the_backend_alone(tmp_path):
         matplotlib.use = refuse
 
         from pathlib import Path
-        from klbench.distill_curves import Band
-        from klbench.plots import plot_bands, plot_pareto
+        from klbench.analysis.distill_curves import Band
+        from klbench.analysis.plots import plot_bands, plot_pareto
         bands = {{"token": Band(np.array([0, 10]), np.array([[8.0, 4.0], [8.0, 5.0]])),
                   "rb": Band(np.array([0, 10]), np.array([[8.0, 1.0], [8.0, 2.0]]))}}
         plot_bands(bands, Path({str(tmp_path)!r}) / "bands.png")

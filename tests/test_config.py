@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from klbench.compose import compose
+from klbench.config.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
@@ -34,7 +34,7 @@ def test_option_composes(tmp_path, group, option):
 @pytest.mark.parametrize("name", GROUPS["estimator"])
 def test_estimator_option_builds(tmp_path, name):
     from klbench.estimators import GRADIENT_ESTIMATORS, gradient_estimator
-    from klbench.train import check_config
+    from klbench.tasks.train import check_config
     cfg = compose_cfg(tmp_path, [f"estimator={name}"])
     check_config(cfg)
     opts = {k: v for k, v in cfg.estimator.items() if k not in ("name", "beta")}
@@ -49,7 +49,7 @@ def hf_cfg(tmp_path, tiny_lm_dir, *more):
 
 
 def test_max_new_tokens_beyond_an_hf_context_is_refused(tmp_path, tiny_lm_dir):
-    from klbench.policies import build_policy
+    from klbench.models.policies import build_policy
     cfg = hf_cfg(tmp_path, tiny_lm_dir, "task.max_new_tokens=64")
     with pytest.raises(ValueError, match=r"^task\.max_new_tokens=64 does not fit .* n_positions=64 .* must be < 64"):
         build_policy(cfg.model, cfg.task.max_new_tokens)
@@ -59,8 +59,8 @@ def test_max_new_tokens_beyond_an_hf_context_is_refused(tmp_path, tiny_lm_dir):
 def test_a_prompt_longer_than_the_context_is_named_when_the_data_is_loaded(tmp_path, tiny_lm_dir):
     import json
 
-    from klbench.policies import build_policy
-    from klbench.train import build_data
+    from klbench.models.policies import build_policy
+    from klbench.tasks.train import build_data
     long = " ".join(["the movie was great"] * 40)  # far over 64 tokens
     train = tmp_path / "train prompts.jsonl"
     train.write_text("".join(json.dumps({"text": p}) + "\n" for p in ["a film", long, "the plot"] * 4))
@@ -85,7 +85,7 @@ def test_a_tabular_step_of_100000_prompts_is_one_block(tmp_path):
     """task.prompts_per_step=100000 on the tabular model took over 5 minutes a step: past 2^20 / K rows the
     exact per-position KL looped over sequences in Python (0.3 ms each). The tabular batch is one block."""
     from klbench.estimators import gradient_estimator
-    from klbench.policies import build_policy
+    from klbench.models.policies import build_policy
     cfg = compose_cfg(tmp_path, ["experiment=tabular", "task.prompts_per_step=100000"])
     policy = build_policy(cfg.model, 1)
     batch = policy.score(policy.rollout([policy.fixed_prompt] * cfg.task.prompts_per_step, cfg.task.n_samples))
@@ -145,7 +145,7 @@ def process_tree(root: int) -> set[int]:
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux's /proc")
 def test_local_ddp_listens_on_loopback_only(tmp_path):
     """torch's TCPStore listens on every interface whatever MASTER_ADDR says; klbench hosts it on 127.0.0.1
-    (klbench.train.local_ddp_store). Every socket the 2 ranks listen on, sampled through the run, is loopback."""
+    (klbench.tasks.train.local_ddp_store). Every socket the 2 ranks listen on, sampled through the run, is loopback."""
     import ipaddress
     import os
     import subprocess

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from test_sweeps import cli_env
 
-from klbench import console
+from klbench.console import messages as console
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["experiment=tabular", "task.max_steps=4", "task.val_every=2"]
@@ -48,7 +48,7 @@ def test_tabular_run_without_mlflow_is_quiet_and_lean(tmp_path):
     assert out.count("Seed set to 0") == 1, out  # Lightning's own handler and Hydra's both printed it
     for notice in ("litlogger", "GPU available", "TPU available", "LeafSpec", "`srun` command", "`Trainer.fit` stopped"):
         assert notice not in out, notice
-    assert "MODULES []" in proc.stdout  # no transformers, MLflow, scipy or matplotlib (klbench/lean.py)
+    assert "MODULES []" in proc.stdout  # no transformers, MLflow, scipy or matplotlib (klbench/tasks/lean.py)
     run_dir = Path(where(proc.stdout)["run folder"])
     assert run_dir.is_dir() and (run_dir / "klbench.log").is_file() and outputs in run_dir.parents
     assert "Seed set to 0" in (run_dir / "klbench.log").read_text()
@@ -84,7 +84,7 @@ def test_where_lines_paste_into_a_shell_with_spaces_in_the_outputs_path(tmp_path
 VERBOSITY = """
 import logging, sys, warnings
 logging.basicConfig(stream=sys.stdout, format="%(name)s: %(message)s", level=logging.INFO)
-from klbench import console
+from klbench.console import messages as console
 console.setup()
 logging.getLogger("lightning.pytorch.utilities.rank_zero").info("GPU available: False, used: False")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").info("a message klbench keeps")
@@ -131,7 +131,7 @@ def test_mlflow_ui_lines():
 def test_progress_bar_counts_steps_of_the_run_with_reward_and_kl(capsys):
     from types import SimpleNamespace
 
-    from klbench.progress import StepProgressBar
+    from klbench.console.progress import StepProgressBar
     trainer = SimpleNamespace(max_steps=300, global_step=100, callback_metrics={}, progress_bar_metrics={})
     module = SimpleNamespace(last_logged={})
     bar = StepProgressBar()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from klbench import runs
+from klbench.record import runs
 from test_record import client_of, env_for, klbench
 
 ARGS = ["experiment=tabular", "task.max_steps=20", "task.val_every=10"]

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from klbench import distill_report
-from klbench.artifacts import REPORT_FILES, write_report
-from klbench.distill_curves import aggregate, summary_rows
-from klbench.mlflow_io import REPORT_TAG, collect_curves, log_report
-from klbench.runs import RUN_ID_FILE
+from klbench.analysis import distill_report
+from klbench.analysis.artifacts import REPORT_FILES, write_report
+from klbench.analysis.distill_curves import aggregate, summary_rows
+from klbench.analysis.mlflow_io import REPORT_TAG, collect_curves, log_report
+from klbench.record.runs import RUN_ID_FILE
 from klbench.sweep.distill import DistillReport
-from klbench.tabular import TabularModel
-from klbench.train import run
+from klbench.exact.tabular import TabularModel
+from klbench.tasks.train import run
 from tiny_lms import save_sharpened_variant
 from test_config import compose_cfg
 
@@ -150,7 +150,7 @@ SYNTH = {"token": [[8.0, 6.0, 4.0], [8.0, 6.5, 4.5], [8.0, 5.5, 3.5]],
 def synthetic_db(tmp_path_factory):
     """An MLflow SQLite store with the SYNTH runs, plus runs the report must leave out; built once (the
     schema migration alone takes seconds) and copied for every test."""
-    from klbench.store import ensure_experiment
+    from klbench.record.store import ensure_experiment
     root = tmp_path_factory.mktemp("synth")
     uri = f"sqlite:///{root}/mlflow.db"
     exp = ensure_experiment(uri, "distill-synth", str(root / "artifacts"))
@@ -274,7 +274,7 @@ def test_cli_reads_the_store_runs_write(tmp_path, synthetic_store, monkeypatch, 
                                              ("distill_estimators_tabular", "tabular")])
 def test_comparison_configs(experiment, kind):
     """Five estimators x three seeds at one step budget, the report callback, and no hydra.mode (users pass -m)."""
-    from klbench.compose import compose
+    from klbench.config.compose import compose
     cfg = compose([f"experiment={experiment}"], hydra=True)
     params = cfg.hydra.sweeper.params
     assert sorted(params.estimator.split(",")) == sorted(ESTIMATORS) and params.seed.split(",") == ["0", "1", "2"]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
-from klbench.compose import compose
-from klbench.schema import validate
+from klbench.config.compose import compose
+from klbench.config.schema import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -7,13 +7,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub in tests
 import pytest
 import torch
 
-import klbench.embedded.cache as embedded_cache
-import klbench.embedded.spec as embedded_spec
-from klbench.embedded import embedded_lm_dir, ensure_embedded_lm
-from klbench.embedded.build import train_tokenizer
-from klbench.embedded.corpus import embedded_prompts, generate_reviews
-from klbench.models import check_same_vocab, load_causal_lm, position_ids_from_mask
-from klbench.rewards import HFClassifierReward, VaderReward
+import klbench.models.embedded.cache as embedded_cache
+import klbench.models.embedded.spec as embedded_spec
+from klbench.models.embedded import embedded_lm_dir, ensure_embedded_lm
+from klbench.models.embedded.build import train_tokenizer
+from klbench.models.embedded.corpus import embedded_prompts, generate_reviews
+from klbench.models.hf import check_same_vocab, load_causal_lm, position_ids_from_mask
+from klbench.models.rewards import HFClassifierReward, VaderReward
 
 # A spec small enough to pretrain in a couple of seconds: only the plumbing is under test.
 TINY = {"name": "tiny", "corpus_size": 200, "corpus_seed": 0, "positive_fraction": 0.5, "vocab_size": 300,
@@ -97,7 +97,7 @@ def test_ensure_embedded_lm_reuses_cache(cache, monkeypatch):
         assert os.path.exists(os.path.join(path, f))
     stamp = os.path.getmtime(os.path.join(path, "config.json"))
 
-    import klbench.embedded.pretrain as pt
+    import klbench.models.embedded.pretrain as pt
 
     def must_not_run(*a, **k):
         raise AssertionError("cache was not reused")
@@ -291,7 +291,7 @@ def tiny_classifier(tmp_path_factory, tok):
 
 def test_text_rewards_score_a_rollouts_texts(vader):
     """The RL task calls reward(rollout): a text reward scores rollout.texts, in order."""
-    from klbench.policies import Rollout
+    from klbench.models.policies import Rollout
     texts = ["This movie was wonderful.", "A terrible waste of time.", "It runs two hours."]
     ro = Rollout(torch.zeros(3, 1), torch.ones(3, 1), 0, torch.ones(3, 1, dtype=torch.bool), torch.arange(3),
                  texts, ["p"] * 3)

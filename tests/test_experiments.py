@@ -4,8 +4,8 @@ import pytest
 
 mlflow = pytest.importorskip("mlflow")
 
-from klbench import experiments, store  # noqa: E402
-from klbench.experiments import KIND_TAG, NOTE_HASH_TAG, NOTE_TAG, TRAINING_KIND  # noqa: E402
+from klbench.record import experiments, store  # noqa: E402
+from klbench.record.experiments import KIND_TAG, NOTE_HASH_TAG, NOTE_TAG, TRAINING_KIND  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -98,11 +98,11 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_reader_sees_imports_and_circles():
     graph = import_graph(include_functions=True)
-    assert "klbench.embedded.cache" in graph["klbench.cli"]  # a module-level `from klbench.x.y import z`
-    assert "klbench.embedded" in graph["klbench.cli"]  # ... which sets up klbench/embedded/__init__.py first
-    assert "klbench.embedded.pretrain" in graph["klbench.embedded.cache"]  # a function-level import
-    assert "klbench.embedded.pretrain" not in import_graph(include_functions=False)["klbench.embedded.cache"]
-    assert "klbench.embedded" not in graph["klbench.embedded.cache"]  # its own package is not an edge
+    assert "klbench.models.embedded.cache" in graph["klbench.cli"]  # a module-level `from klbench.x.y import z`
+    assert "klbench.models.embedded" in graph["klbench.cli"]  # ... which sets up klbench/models/embedded/__init__.py first
+    assert "klbench.models.embedded.pretrain" in graph["klbench.models.embedded.cache"]  # a function-level import
+    assert "klbench.models.embedded.pretrain" not in import_graph(include_functions=False)["klbench.models.embedded.cache"]
+    assert "klbench.models.embedded" not in graph["klbench.models.embedded.cache"]  # its own package is not an edge
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
@@ -118,21 +118,21 @@ def test_no_circle_with_function_level_imports():
 
 
 def test_the_embedded_circle_is_gone():
-    """models.py only loads Hugging Face models; klbench.embedded builds the embedded one and needs
+    """models.py only loads Hugging Face models; klbench.models.embedded builds the embedded one and needs
     nothing from the code that uses it."""
     graph = import_graph(include_functions=True)
-    users = {"klbench.policies", "klbench.train", "klbench.tasks", "klbench.cli"}
-    embedded = {m for m in graph if m.startswith("klbench.embedded")}
-    assert not graph["klbench.models"] & (users | embedded), graph["klbench.models"]
+    users = {"klbench.models.policies", "klbench.tasks.train", "klbench.tasks", "klbench.cli"}
+    embedded = {m for m in graph if m.startswith("klbench.models.embedded")}
+    assert not graph["klbench.models.hf"] & (users | embedded), graph["klbench.models.hf"]
     for module in embedded:
-        assert not graph[module] & (users | {"klbench.models"}), (module, graph[module])
+        assert not graph[module] & (users | {"klbench.models.hf"}), (module, graph[module])
 
 
 def test_the_tabular_model_is_known_in_one_place():
     """The tasks, the probe, the sweeps and the trainer ask a policy for its prompt and its truth
-    (klbench.policies.Policy), never for its type: only policies.py and tabular.py touch the tabular
+    (klbench.models.policies.Policy), never for its type: only policies.py and tabular.py touch the tabular
     model, and rewards.py hands it to the tabular reward."""
-    allowed = {"klbench.policies", "klbench.tabular", "klbench.rewards"}
+    allowed = {"klbench.models.policies", "klbench.exact.tabular", "klbench.models.rewards"}
     leaks = []
     for module, path in module_names().items():
         if module in allowed:

@@ -10,9 +10,9 @@ import torch
 from omegaconf import open_dict
 
 import klbench.tasks.rl as rl_module
-from klbench.schema import ConfigError, validate
+from klbench.config.schema import ConfigError, validate
 from klbench.tasks.offpolicy import ppo_reward_loss
-from klbench.train import run
+from klbench.tasks.train import run
 from test_config import compose_cfg
 
 TABULAR = ["experiment=tabular", "task.val_every=8", "task.max_steps=16"]
@@ -33,8 +33,8 @@ def test_inner_steps_1_is_the_unchanged_path(tmp_path, monkeypatch):
 
 
 def _module(tmp_path, overrides):
-    from klbench.policies import build_policy
-    from klbench.rewards import build_reward
+    from klbench.models.policies import build_policy
+    from klbench.models.rewards import build_reward
     from klbench.tasks import build_task
     cfg = compose_cfg(tmp_path, TABULAR + ["logger=none", "task.log_every=1000"] + overrides)
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache)
@@ -125,7 +125,7 @@ def test_good_off_policy_config(tmp_path, overrides):
 
 
 def test_pareto_labels_each_placement_cell():
-    from klbench.mlflow_io import estimator_label
+    from klbench.analysis.mlflow_io import estimator_label
     assert estimator_label({"estimator.name": "in_reward", "estimator.value": "k3"}) == "in_reward:k3"
     assert estimator_label({"estimator.name": "in_loss", "estimator.value": "k1"}) != "in_loss:k3"
     assert estimator_label({"estimator.name": "rb"}) == "rb"

@@ -7,11 +7,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from klbench.policies import LMPolicy, Rollout, TabularPolicy, build_policy
-from klbench.rewards import build_reward
+from klbench.models.policies import LMPolicy, Rollout, TabularPolicy, build_policy
+from klbench.models.rewards import build_reward
 from klbench.tasks import build_task
-from klbench.train import build_data, build_trainer, check_config
-from klbench.tracking import build_logger
+from klbench.tasks.train import build_data, build_trainer, check_config
+from klbench.record.tracking import build_logger
 from test_config import GROUPS, compose_cfg
 
 # a spec that pretrains in seconds: only the plumbing of model=embedded is under test here

@@ -21,8 +21,8 @@ import torch
 from omegaconf import open_dict
 
 from klbench.kl_control import SIGNALS, AdaptiveKL, FixedKL, build_kl_control
-from klbench.schema import ConfigError, validate
-from klbench.train import run
+from klbench.config.schema import ConfigError, validate
+from klbench.tasks.train import run
 from test_config import compose_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def test_signals_are_the_logged_value_estimators():
     from typing import get_args, get_type_hints
 
     from klbench.kl_control import HORIZON_UNITS
-    from klbench.schema import KL_SIGNALS, KLCtlAdaptive
+    from klbench.config.schema import KL_SIGNALS, KLCtlAdaptive
     from klbench.tasks.rl import LOGGED_VALUES
     assert set(SIGNALS) == set(LOGGED_VALUES) == set(get_args(KL_SIGNALS))
     assert set(HORIZON_UNITS) == set(get_args(get_type_hints(KLCtlAdaptive)["horizon_unit"]))
@@ -254,7 +254,7 @@ def test_fixed_logs_a_constant_beta_and_resume_refuses_a_controller_change(tmp_p
     steps, betas = zip(*history(fixed, "train/beta"))
     assert steps == tuple(range(10)) and betas == pytest.approx([0.3] * 10, rel=1e-7)  # logged as float32
     assert history(fixed, "train/kl_ctl_signal") == []
-    from klbench.resume import ResumeError
+    from klbench.record.resume import ResumeError
     other = compose_cfg(tmp_path, ["experiment=tabular", "task.max_steps=20", "task.val_every=10",
                                    "estimator.beta=0.3", "kl_ctl=adaptive", "ckpt_path=last",
                                    "ckpt_allow_changes=[task.max_steps]"])
@@ -263,7 +263,7 @@ def test_fixed_logs_a_constant_beta_and_resume_refuses_a_controller_change(tmp_p
 
 
 def test_checkpoint_from_before_kl_ctl_resumes_as_fixed():
-    from klbench.resume import config_changes
+    from klbench.record.resume import config_changes
     cfg = compose_cfg(Path("/nonexistent"), ["experiment=tabular"])
     from omegaconf import OmegaConf
     saved = OmegaConf.to_container(cfg, resolve=True)
@@ -298,7 +298,7 @@ def test_checkpoint_from_before_issue_18_resumes_the_old_controller(tmp_path):
     """A checkpoint of the old controller (config without kp / horizon_unit, state without beta_i) resumes:
     under its own horizon and the BEFORE values (kp=0, sequences) it continues the old trajectory exactly;
     under the new defaults the resume is refused, naming what changed."""
-    from klbench.resume import ResumeError
+    from klbench.record.resume import ResumeError
     old = SHORT + ["kl_ctl.kp=0", "kl_ctl.horizon_unit=sequences", "kl_ctl.horizon=400"]
     straight = compose_cfg(tmp_path / "a", old + ["task.max_steps=30"])
     run(straight)
@@ -323,7 +323,7 @@ def test_checkpoint_from_before_issue_18_resumes_the_old_controller(tmp_path):
 
 def test_rl_target_kl_sweep_composes(tmp_path, monkeypatch):
     from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
-    from klbench.compose import compose
+    from klbench.config.compose import compose
     for var in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID", "KLBENCH_RESUME_CKPT"):
         monkeypatch.delenv(var, raising=False)
     cfg = compose(["sweep=rl_target_kl", "experiment=tabular", "kl_ctl.signal=mc"], outputs=tmp_path / "outputs",

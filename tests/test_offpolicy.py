@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from klbench.estimators import GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, KLBatch, gradient_estimator, value_estimator
-from klbench.examples import grpo_k3_bias_corrected_loss, grpo_k3_loss, openrlhf_unbiased_gradient_loss
-from klbench.tabular import TabularModel, audit, behaviour_tables, default_instances
+from klbench.exact.examples import grpo_k3_bias_corrected_loss, grpo_k3_loss, openrlhf_unbiased_gradient_loss
+from klbench.exact.tabular import TabularModel, audit, behaviour_tables, default_instances
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -1,4 +1,4 @@
-"""A restarted sweep takes over the trials its dead predecessor left RUNNING (klbench.jobs and
+"""A restarted sweep takes over the trials its dead predecessor left RUNNING (klbench.sweep.jobs and
 klbench.sweep.orphans.settle_orphans): a trial whose job finished keeps that job's result, one whose job raised is
 FAIL, and one whose job left nothing is FAIL and queued again. The result files are written as submitit
 writes them: a pickled ("success", JobReturn) in `.submitit/<job id>/<job id>_0_result.pkl`.
@@ -21,7 +21,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
-from klbench import jobs
+from klbench.sweep import jobs
 from klbench.sweep.orphans import settle_orphans
 from klbench.sweep.study import RETRY_OF, STUDY_SWEEP_DIR, prepare_study
 
@@ -104,7 +104,7 @@ def plant(sweep_dir, marker) -> Path:
 
 
 def sweep_config(outputs):
-    from klbench.compose import compose
+    from klbench.config.compose import compose
     outputs.mkdir(exist_ok=True)  # as the sweep callback does
     return compose(["sweep=rl_beta", "experiment=tabular"], outputs=outputs, hydra=True)
 
@@ -210,7 +210,7 @@ def mlflow_children(mlflow_store):
         return rid
 
     def runs() -> list:
-        from klbench.mlflow_io import child_runs
+        from klbench.analysis.mlflow_io import child_runs
         return child_runs(client, parent, noticed_by="a test")
     return child, runs
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from klbench.frontier import frontier_share, group_runs, hypervolume, non_dominated
-from klbench.mlflow_io import collect_runs, log_pareto
-from klbench.pareto import main
-from klbench.plots import plot_pareto
-from klbench.tabular import Frontier
+from klbench.analysis.frontier import frontier_share, group_runs, hypervolume, non_dominated
+from klbench.analysis.mlflow_io import collect_runs, log_pareto
+from klbench.analysis.pareto import main
+from klbench.analysis.plots import plot_pareto
+from klbench.exact.tabular import Frontier
 
 
 def brute_force(rewards, kls):
@@ -235,7 +235,7 @@ def test_pareto_reads_the_store_runs_write(store, tmp_path, monkeypatch, capsys)
 # ---- one run per trial: a sweep that lost track of a trial may have trained it twice ----
 
 def test_one_per_trial_keeps_the_newest_run_of_each_trial():
-    from klbench.frontier import one_per_trial
+    from klbench.analysis.frontier import one_per_trial
     base = {"estimator.name": "rb", "estimator.beta": "0.1", "seed": "0", "task.max_steps": "60"}
 
     def point(run_id, parent, start, **params):

@@ -7,7 +7,7 @@ import torch
 
 from klbench.estimators import GRADIENT_ESTIMATORS, gradient_estimator
 from klbench.estimators.placement import value_terms
-from klbench.tabular import TabularModel, audit, default_instances
+from klbench.exact.tabular import TabularModel, audit, default_instances
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

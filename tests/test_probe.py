@@ -1,4 +1,4 @@
-"""The estimator probe (klbench/probe.py, task=probe, task.probe_every): its statistics against exact values
+"""The estimator probe (klbench/probe/measure.py, task=probe, task.probe_every): its statistics against exact values
 on the tabular model, the naive estimators' documented failures, RNG isolation, the runner and its record."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from klbench.estimators import gradient_estimator, value_estimator
-from klbench.policies import TabularPolicy
-from klbench.probe import (BATCH_FITTED, CountSketch, ProbeConfig, Welford, bootstrap_weights, gradient_variants,
+from klbench.models.policies import TabularPolicy
+from klbench.probe.measure import (BATCH_FITTED, CountSketch, ProbeConfig, Welford, bootstrap_weights, gradient_variants,
                            run_probe, value_variants)
-from klbench.tabular import TabularModel
+from klbench.exact.tabular import TabularModel
 from tiny_lms import save_sharpened_variant
 from test_config import compose_cfg
 
@@ -28,7 +28,7 @@ def _policy(K, T, eos, ref_seed, seed, scale):
 
 
 def _exact(policy: TabularPolicy, sizes: list[int]) -> dict:
-    """Exact value of every statistic the probe estimates, by enumeration (klbench.tabular)."""
+    """Exact value of every statistic the probe estimates, by enumeration (klbench.exact.tabular)."""
     model, theta = policy.table, policy.theta.detach()
     kl = float(model.kl_pi_ref(theta))
     refs = {k: v.flatten() for k, v in model.exact_gradients(theta).items()}
@@ -172,8 +172,8 @@ def test_probe_task_reads_a_checkpoint_and_writes_the_record(tmp_path, single_th
     """task=probe ckpt_path=<a tabular RL run's last.ckpt>, in the run's store: one more MLflow run, FINISHED,
     metrics by estimator, the 7 artifacts; its KL reference is the exact KL of the checkpoint's policy; a
     checkpoint of another model is refused naming the key."""
-    from klbench.resume import ResumeError
-    from klbench.train import run
+    from klbench.record.resume import ResumeError
+    from klbench.tasks.train import run
     run(compose_cfg(tmp_path, ["experiment=tabular", "task.max_steps=2", "task.val_every=2"]))
     ckpt = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
     small = ["task.prompts=2", "task.samples=4", "task.grad_samples=2", "task.replicates=20", "task.bootstrap=50"]
@@ -200,7 +200,7 @@ def test_probe_task_reads_a_checkpoint_and_writes_the_record(tmp_path, single_th
 def test_probe_every_does_not_shift_training(tmp_path, single_thread):
     """A tabular RL run with task.probe_every logs probe/* metrics and the very same train/* and val/* values
     as the same run without it."""
-    from klbench.train import run
+    from klbench.tasks.train import run
     base = ["experiment=tabular", "task.max_steps=20", "task.val_every=10", "task.log_every=1"]
     probe = ["task.probe_every=10", "task.probe.replicates=4", "task.probe.bootstrap=10", "task.probe.prompts=1"]
     histories = []
@@ -228,19 +228,19 @@ def test_probe_every_does_not_shift_training(tmp_path, single_thread):
     (["task.gradient_estimators=[]"], "task.gradient_estimators must be null or a non-empty list"),
 ])
 def test_bad_probe_options_are_refused(tmp_path, overrides, match):
-    from klbench.schema import ConfigError, validate
+    from klbench.config.schema import ConfigError, validate
     with pytest.raises(ConfigError, match=match):
         validate(compose_cfg(tmp_path, ["task=probe"] + overrides))
 
 
 def test_probe_every_must_fall_on_validations(tmp_path):
-    from klbench.schema import ConfigError, validate
+    from klbench.config.schema import ConfigError, validate
     with pytest.raises(ConfigError, match="multiple of task.val_every"):
         validate(compose_cfg(tmp_path, ["task.probe_every=30", "task.val_every=40"]))
 
 
 def test_frontier_share_ci():
-    from klbench.frontier import frontier_share_ci, summarize
+    from klbench.analysis.frontier import frontier_share_ci, summarize
     # rb dominates everywhere: its share is 1 in every resample; a mixed frontier gets an interval around its share
     labels = ["rb"] * 5 + ["mc"] * 5
     kls = [1, 2, 3, 4, 5] + [6, 7, 8, 9, 10]
@@ -267,7 +267,7 @@ def tiny_pair(tiny_lm_dir, tmp_path_factory):
 def test_probe_on_a_tiny_hf_lm_pair(tmp_path, single_thread, tiny_pair):
     """model=hf: references from samples (rb; -grad log pi on pi_ref's samples). naive_mc's mean gradient is
     zero within its CI; naive_cv at sequence level is along grad kl_ref_pi within its CI; rb along grad kl_pi_ref."""
-    from klbench.train import run
+    from klbench.tasks.train import run
     pi, ref = tiny_pair
     cfg = compose_cfg(tmp_path, ["task=probe", "model=hf", f"model.name_or_path={pi}",
                                  f"model.ref_name_or_path={ref}", "reward=none", "task.prompts=4", "task.samples=16",

@@ -18,9 +18,9 @@ import mlflow
 import pytest
 import torch
 
-from klbench import runs, store
+from klbench.record import runs, store
 from klbench.tasks.rl import RLTask
-from klbench.train import run
+from klbench.tasks.train import run
 from test_config import compose_cfg
 
 TABULAR = ["experiment=tabular", "task.max_steps=20", "task.val_every=10", "task.log_every=1"]
@@ -55,7 +55,7 @@ def steps(client, run_id: str, key: str) -> list[int]:
 OPEN_AND_LOG = """
 import sys
 from mlflow import MlflowClient
-from klbench.store import ensure_experiment
+from klbench.record.store import ensure_experiment
 uri = sys.argv[1]
 exp = ensure_experiment(uri, "parallel", sys.argv[2])
 client = MlflowClient(uri)
@@ -98,7 +98,7 @@ def test_parallel_klbench_runs_on_a_fresh_outputs_folder(tmp_path):
 
 def assert_a_folder_per_run(outputs: Path, n: int) -> None:
     """Runs started together each got a folder of their own (the folder name has a one-second resolution:
-    before klbench/rundir.py, 16 starts got 2, 2 and 1 folders), and each folder's checkpoint is the run's
+    before klbench/record/rundir.py, 16 starts got 2, 2 and 1 folders), and each folder's checkpoint is the run's
     that its mlflow_run_id.txt names, with that run's seed."""
     folders = sorted(outputs.glob("runs/*/*"))
     ids = [(f / runs.RUN_ID_FILE).read_text() for f in folders]
@@ -130,14 +130,14 @@ def test_half_migrated_store_is_reported_then_repaired(tmp_path):
     store._checked.clear()
     with pytest.raises(store.StoreError) as e:
         store.open_store(uri)
-    assert str(path) in str(e.value) and f"python -m klbench.store repair {path}" in str(e.value)
+    assert str(path) in str(e.value) and f"python -m klbench.record.store repair {path}" in str(e.value)
     assert path.stat().st_size > 0  # left as it was
-    fix = subprocess.run([sys.executable, "-m", "klbench.store", "repair", str(path)], capture_output=True, text=True)
+    fix = subprocess.run([sys.executable, "-m", "klbench.record.store", "repair", str(path)], capture_output=True, text=True)
     assert fix.returncode == 0, fix.stderr
     assert store.inspect(path)[0] == "current" and list(tmp_path.glob("mlflow.db.*.bak"))
     assert "1 runs kept" in fix.stdout
     # read back by a new process, as the next run would (this one's MLflow holds the old file open)
-    check = ("import sys; from mlflow import MlflowClient; from klbench.store import open_store; open_store(sys.argv[1]);"
+    check = ("import sys; from mlflow import MlflowClient; from klbench.record.store import open_store; open_store(sys.argv[1]);"
              "c = MlflowClient(sys.argv[1]); r = c.get_run(sys.argv[2]); "
              "print(r.info.experiment_id, r.data.tags['note'], [(m.step, m.value) for m in c.get_metric_history(sys.argv[2], 'x')])")
     out = subprocess.run([sys.executable, "-c", check, uri, run_id], capture_output=True, text=True)
@@ -243,7 +243,7 @@ def test_kill_9_mid_run_is_noticed_and_resumed(tmp_path):
     proc.wait()
     client = client_of(outputs)
     assert client.get_run(run_id).info.status == "RUNNING"  # nobody has looked yet
-    pareto = subprocess.run([sys.executable, "-m", "klbench.pareto", "--experiment", "klbench",
+    pareto = subprocess.run([sys.executable, "-m", "klbench.analysis.pareto", "--experiment", "klbench",
                              "--out", str(tmp_path / "p")], cwd=tmp_path, env=env_for(outputs),
                             capture_output=True, text=True)
     assert "1 status KILLED" in pareto.stdout, pareto.stdout + pareto.stderr
@@ -290,7 +290,7 @@ def test_checkpoint_from_before_an_option_existed_resumes(tmp_path):
     the values that do what klbench did then are no change, any other value is."""
     from omegaconf import OmegaConf
 
-    from klbench.resume import config_changes
+    from klbench.record.resume import config_changes
     cfg = compose_cfg(tmp_path, TABULAR)
     old = OmegaConf.to_container(cfg, resolve=True)
     del old["kl_ctl"], old["task"]["inner_steps"], old["task"]["clip_eps"]

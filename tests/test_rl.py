@@ -7,7 +7,7 @@ import mlflow
 import pytest
 import torch
 
-from klbench.train import run
+from klbench.tasks.train import run
 from test_config import compose_cfg
 
 
@@ -43,10 +43,10 @@ def test_tabular_rl_learns_and_logs_to_mlflow(tmp_path):
 
 
 def test_tabular_val_seq_kl_is_exact(tmp_path):
-    from klbench.policies import build_policy
-    from klbench.rewards import build_reward
+    from klbench.models.policies import build_policy
+    from klbench.models.rewards import build_reward
     from klbench.tasks import build_task
-    from klbench.train import build_data
+    from klbench.tasks.train import build_data
     cfg = compose_cfg(tmp_path, TABULAR + ["logger=none"])
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache)
     with torch.no_grad():
@@ -134,7 +134,7 @@ def test_vocab_mismatch(tmp_path, tiny_lm_dir, other_tiny_lm_dir):
 
 
 def test_non_finite_loss_fails_the_run(tmp_path, monkeypatch):
-    from klbench.tabular import TabularReward
+    from klbench.exact.tabular import TabularReward
     calls = {"n": 0}
     original = TabularReward.__call__
 

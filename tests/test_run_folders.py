@@ -1,6 +1,6 @@
 """One folder per run, and resumes that continue only the run they belong to (issue 18, findings 1 and 2).
 
-- Runs started in the same second each get a folder of their own (klbench/rundir.py), so no two share a
+- Runs started in the same second each get a folder of their own (klbench/record/rundir.py), so no two share a
   `mlflow_run_id.txt` or a `last.ckpt` (here by a barrier; 6 real starts at once in
   tests/test_record.py::test_parallel_klbench_runs_on_a_fresh_outputs_folder).
 - A checkpoint resumes only into the MLflow run that wrote it.
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from klbench import rundir, runs
+from klbench.record import rundir, runs
 from test_record import TABULAR, all_runs, client_of, env_for, klbench, steps
 
 

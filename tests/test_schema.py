@@ -1,4 +1,4 @@
-"""klbench.schema: every shipped config validates; every bad value is stopped with the field named, before
+"""klbench.config.schema: every shipped config validates; every bad value is stopped with the field named, before
 anything heavy is imported."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import open_dict
 
-from klbench.schema import ESTIMATOR_OPTIONS, ConfigError, EmbeddedSpec, validate
+from klbench.config.schema import ESTIMATOR_OPTIONS, ConfigError, EmbeddedSpec, validate
 from test_config import GROUPS, ROOT, compose_cfg
 
 SWEEPS = sorted(p.stem for p in (ROOT / "sweeps" / "sweep").glob("*.yaml"))
@@ -181,7 +181,7 @@ def test_pretrain_checks_only_the_model(tmp_path):
     raises_naming(compose_cfg(tmp_path, ["task=pretrain", "model.spec.steps=0"]), "model.spec.steps")
 
 
-# ---- jsonl datasets: read by the one reader klbench.data uses too ----
+# ---- jsonl datasets: read by the one reader klbench.models.data uses too ----
 
 def test_jsonl_bad_line_gives_path_and_line(tmp_path):
     over = jsonl_overrides(tmp_path)
@@ -212,7 +212,7 @@ def test_jsonl_missing_file_and_too_few_prompts(tmp_path):
 
 
 def test_data_reads_jsonl_with_the_same_reader(tmp_path):
-    from klbench.data import load_prompts
+    from klbench.models.data import load_prompts
     cfg = compose_cfg(tmp_path, jsonl_overrides(tmp_path))
     train, val = load_prompts(cfg.dataset)
     assert train == [f"p{i}" for i in range(8)] and val == ["v"]
@@ -254,7 +254,7 @@ def test_estimator_option_checks_match_the_registry(tmp_path, key, values):
 
 
 def test_embedded_spec_mirrors_the_models_spec():
-    from klbench.embedded import DEFAULT_REFERENCE_SPEC
+    from klbench.models.embedded import DEFAULT_REFERENCE_SPEC
     assert [f.name for f in fields(EmbeddedSpec)] == list(DEFAULT_REFERENCE_SPEC)
 
 
@@ -264,9 +264,9 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {str(ROOT / "tests")!r})
 from test_config import compose_cfg
-import klbench.schema
-klbench.schema.validate(compose_cfg(Path({str(tmp_path)!r}), ["experiment=tabular"]))
-klbench.schema.validate(compose_cfg(Path({str(tmp_path)!r}), ["estimator=naive_cv"]))
+import klbench.config.schema
+klbench.config.schema.validate(compose_cfg(Path({str(tmp_path)!r}), ["experiment=tabular"]))
+klbench.config.schema.validate(compose_cfg(Path({str(tmp_path)!r}), ["estimator=naive_cv"]))
 heavy = [m for m in ("torch", "lightning", "mlflow", "transformers", "klbench.estimators") if m in sys.modules]
 assert not heavy, heavy
 """

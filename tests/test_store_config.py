@@ -1,6 +1,6 @@
 """The `store` group switches both records with one override, and a server store without its URLs is
 refused before anything starts, naming the field; a single run needs no Optuna URL, a sweep does. A
-password in a store URL is redacted wherever klbench writes the URL (klbench.redact; the end-to-end
+password in a store URL is redacted wherever klbench writes the URL (klbench.record.redact; the end-to-end
 checks against real servers are in tests/stores/test_secrets.py)."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 
-from klbench.compose import compose
-from klbench.redact import RedactHydraFiles, redact, redact_logs, redact_obj
-from klbench.schema import ConfigError, validate
+from klbench.config.compose import compose
+from klbench.record.redact import RedactHydraFiles, redact, redact_logs, redact_obj
+from klbench.config.schema import ConfigError, validate
 
 MLFLOW, OPTUNA = "http://mlflow.example:5000", "postgresql+psycopg://klbench@db.example/klbench"
 
@@ -110,7 +110,7 @@ def test_redact(text, clean):
 
 
 def test_redact_obj_and_the_run_params(monkeypatch, tmp_path):
-    from klbench.tracking import flat_params
+    from klbench.record.tracking import flat_params
     assert redact_obj({"a": ["http://u:pw@h", 1, None], "b": ("x=password=pw",)}) == \
         {"a": ["http://u:***@h", 1, None], "b": ("x=password=***",)}
     monkeypatch.setenv("KLBENCH_OPTUNA_STORAGE", "postgresql+psycopg://klbench:pgpw@db/klbench")
@@ -146,7 +146,7 @@ def test_hydra_files_are_rewritten_redacted(tmp_path):
     (saved / "config.yaml").write_text("seed: 1\n")
     (tmp_path / "multirun.yaml").write_text("x: http://u:pw@h\n")
     config = OmegaConf.create({"hydra": {"runtime": {"output_dir": str(tmp_path / "run")}, "output_subdir": ".hydra",
-                                         "sweep": {"dir": str(tmp_path)}}})
+                                         "sweep": {"dir": str(tmp_path)}, "mode": "MULTIRUN"}})
     RedactHydraFiles().on_job_start(config)
     assert (saved / "overrides.yaml").read_text() == "- store.optuna=postgresql://k:***@h/k\n- seed=1\n"
     assert (saved / "config.yaml").read_text() == "seed: 1\n"

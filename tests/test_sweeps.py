@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from klbench.compose import compose
+from klbench.config.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = sorted(p.stem for p in (ROOT / "sweeps" / "sweep").glob("*.yaml"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from klbench.estimators import gradient_estimator, value_estimator
-from klbench.examples import grpo_k3_bias_corrected_loss, grpo_k3_loss, k2_mse_loss, rloo_k1_in_reward_loss
-from klbench.tabular import TabularModel, audit, default_instances
+from klbench.exact.examples import grpo_k3_bias_corrected_loss, grpo_k3_loss, k2_mse_loss, rloo_k1_in_reward_loss
+from klbench.exact.tabular import TabularModel, audit, default_instances
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -9,7 +9,7 @@ def save_sharpened_variant(tokenizer_dir, path, n_embd: int, n_layer: int, seed:
     first model sizeable."""
     from transformers import AutoTokenizer
 
-    from klbench.embedded.build import build_gpt2
+    from klbench.models.embedded.build import build_gpt2
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     model = build_gpt2(len(tok), n_embd=n_embd, n_layer=n_layer, n_head=2, n_positions=64, seed=seed,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -40,7 +40,7 @@ class SweepTracking(Callback):
     # ---- sweeper side ----
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from klbench import console
+        from klbench.console import messages as console
         console.setup()  # e.g. the sweeper's unlabelled result lines: on_multirun_end prints them labelled
         study.tolerate_grid_stop()
         try:

@@ -10,7 +10,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from klbench.distill_curves import BASELINE, METRIC
+from klbench.analysis.distill_curves import BASELINE, METRIC
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ class DistillReport(Callback):
     def _report(self, config, sweep_dir: Path) -> None:
         from mlflow import MlflowClient
 
-        from klbench.mlflow_io import collect_curves, log_report, run_ids_in_sweep
-        from klbench.store import ensure_experiment
+        from klbench.analysis.mlflow_io import collect_curves, log_report, run_ids_in_sweep
+        from klbench.record.store import ensure_experiment
         lg = config.logger
         client = MlflowClient(lg.tracking_uri)
         curves, skipped = collect_curves(client, run_ids_in_sweep(sweep_dir))

@@ -20,7 +20,7 @@ def exact_frontier(config: DictConfig):
     if swept:
         log.info("no exact frontier: the sweep changes %s, so trials do not share one", swept)
         return None
-    from klbench.policies import build_policy
-    from klbench.rewards import build_reward
+    from klbench.models.policies import build_policy
+    from klbench.models.rewards import build_reward
     policy = build_policy(model, max_new_tokens=1)  # tabular: nothing is read from disk
     return policy.exact_frontier(build_reward(reward, policy))

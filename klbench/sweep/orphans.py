@@ -2,7 +2,7 @@
 
 The evidence, in the order it is trusted: the trial's MLflow run (a FINISHED child of the study's parent
 run with the trial's params), then its job's result file. A result file is a pickle, and unpickling runs
-code, so it is read only from the sweep folders this user's own sweeps recorded (klbench.jobs), never
+code, so it is read only from the sweep folders this user's own sweeps recorded (klbench.sweep.jobs), never
 from a folder the study database names: on a shared database anyone who can write the study could name
 one. Called by klbench.sweep.study.prepare_study.
 """
@@ -27,7 +27,7 @@ CLOCK_SKEW_S = 60  # a trial's MLflow run starts after the trial; by this much e
 
 def job_folders(config: DictConfig, study, recorded: Path | None) -> list[Path]:
     """The sweep folders whose jobs a resume may wait for and read: this invocation's, and the study's
-    previous one as this user recorded it (klbench.jobs.recorded_sweep_dir). Never the folder that the
+    previous one as this user recorded it (klbench.sweep.jobs.recorded_sweep_dir). Never the folder that the
     study database names: anyone who can write the study could name a folder of pickles there."""
     folders = [Path(config.hydra.sweep.dir).resolve()]
     if recorded is not None and recorded.resolve() not in folders:
@@ -51,7 +51,7 @@ def trial_runs(config: DictConfig, study) -> list:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from klbench.mlflow_io import child_runs
+    from klbench.analysis.mlflow_io import child_runs
     try:
         return child_runs(MlflowClient(config.logger.tracking_uri), parent, noticed_by="a resumed sweep")
     except MlflowException as e:
@@ -63,19 +63,19 @@ def trial_runs(config: DictConfig, study) -> list:
 def settle_orphans(study, stale: list, folders: list[Path] = (), runs: list = (), metrics: list[str] = ()) -> None:
     """Closes the trials a dead sweep process left RUNNING, without running any of them twice.
 
-    Call it once the jobs in `folders` have ended (klbench.jobs.wait): their jobs outlive that process
+    Call it once the jobs in `folders` have ended (klbench.sweep.jobs.wait): their jobs outlive that process
     (SLURM array jobs, submitit's local processes). Each trial's result is taken, as the sweeper would
     have told it, from the evidence at hand:
     - its MLflow run among `runs` (the parent run's children): the newest one with the trial's params
       that started after the trial. FINISHED with all its steps and finite `metrics` (the objectives, in
       order): the trial is COMPLETE with them. FAILED: the trial failed, and is FAIL.
-    - else its job's result file in `folders` (read only after klbench.jobs.unsafe's checks): a result
+    - else its job's result file in `folders` (read only after klbench.sweep.jobs.unsafe's checks): a result
       makes it COMPLETE, a job that raised makes it FAIL;
     - else (its job never started or was killed) it is FAIL and its parameters run again.
     """
     from optuna.trial import TrialState
 
-    from klbench import jobs
+    from klbench.sweep import jobs
     returns, used = None, set()
     for t in stale:
         run = trial_run(t, [r for r in runs if r.info.run_id not in used])
@@ -116,7 +116,7 @@ def trial_run(trial, runs: list):
     (CLOCK_SKEW_S), or None.
     A swept config group (`estimator: choice(seq, rb)`) is matched by the name its runs log
     (estimator.name, model.kind, dataset.source)."""
-    from klbench.mlflow_io import param
+    from klbench.analysis.mlflow_io import param
     start_ms = (trial.datetime_start.timestamp() - CLOCK_SKEW_S) * 1000 if trial.datetime_start else 0
 
     def ran(run) -> bool:
@@ -145,7 +145,7 @@ def _same(raw: str, value) -> bool:
 
 def run_values(run, metrics: list[str], n_objectives: int) -> list[float] | None:
     """The objectives a FINISHED run that did all its steps reached; None if it did not, or lacks one."""
-    from klbench.runs import completed
+    from klbench.record.runs import completed
     if run.info.status != "FINISHED" or not completed(run.data.tags)[0] or len(metrics) != n_objectives:
         return None
     values = [run.data.metrics.get(m) for m in metrics]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from klbench.redact import redact
+from klbench.record.redact import redact
 from klbench.sweep.exact import exact_frontier
 from klbench.sweep.study import STUDY_PARENT, failed_trials
 
@@ -30,7 +30,7 @@ def open_parent(config: DictConfig, study, n_trials) -> str:
     Its id goes to the study and to PARENT_FILE in the sweep folder."""
     from mlflow import MlflowClient
 
-    from klbench.store import ensure_experiment
+    from klbench.record.store import ensure_experiment
     lg = config.logger
     sweep_dir = Path(config.hydra.sweep.dir)
     exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
@@ -50,7 +50,7 @@ def reopen_parent(client, study, exp_id: str) -> str | None:
     """The parent run of an earlier invocation of this study, set RUNNING again; None if there is none here."""
     from mlflow.exceptions import MlflowException
 
-    from klbench.runs import owner_tags, reap
+    from klbench.record.runs import owner_tags, reap
     run_id = study.user_attrs.get(STUDY_PARENT)
     if not run_id:
         return None
@@ -78,7 +78,7 @@ def new_parent(client, exp_id: str, config: DictConfig, study, n_trials) -> str:
     sw = config.hydra.sweeper
     sweep = OmegaConf.select(config, "hydra.runtime.choices.sweep") or "multirun"
     name = f"sweep-{study.study_name}" if study is not None else f"sweep-{sweep}"
-    from klbench.runs import owner_tags
+    from klbench.record.runs import owner_tags
     tags = {"klbench.sweep": sweep, **owner_tags()}
     if study is not None:
         tags.update({"optuna.study_name": study.study_name, "optuna.storage": redact(str(sw.storage))})
@@ -100,8 +100,8 @@ def new_parent(client, exp_id: str, config: DictConfig, study, n_trials) -> str:
 def finish(client, config: DictConfig, parent: str, study: tuple[str, str] | None) -> None:
     """Tags the trial counts and failed trials, logs the frontier of the trials that finished, and ends
     the parent run FINISHED, or FAILED when no trial is usable."""
-    from klbench.frontier import describe_groups, format_table, group_runs
-    from klbench.mlflow_io import collect_runs, log_pareto, search_runs
+    from klbench.analysis.frontier import describe_groups, format_table, group_runs
+    from klbench.analysis.mlflow_io import collect_runs, log_pareto, search_runs
     children = search_runs(client, [client.get_run(parent).info.experiment_id],
                            f"tags.mlflow.parentRunId = '{parent}'")
     statuses = sorted({r.info.status for r in children})
@@ -173,7 +173,7 @@ def log_frontier_gaps(client, parent: str, runs, frontier) -> None:
 
 def print_pareto_trials(sweep_dir: Path, metrics: list[str]) -> None:
     """The Optuna study's Pareto-optimal trials, labelled: the sweeper plugin logs them as
-    `Values: [1.79, 4.35], Params: {...}` (silenced by klbench.console) and saves them in
+    `Values: [1.79, 4.35], Params: {...}` (silenced by klbench.console.messages) and saves them in
     optimization_results.yaml, read here."""
     path = sweep_dir / "optimization_results.yaml"
     if not path.is_file():  # not the Optuna sweeper, or it stopped before its end
@@ -193,7 +193,7 @@ def print_pareto_trials(sweep_dir: Path, metrics: list[str]) -> None:
 
 
 def print_sweep_where(sweep_dir: Path, client=None, parent: str | None = None, tracking_uri: str = "") -> None:
-    from klbench import console
+    from klbench.console import messages as console
     lines = [("sweep folder", str(sweep_dir))]
     lines += [(name, str(sweep_dir / name)) for name in ("pareto.png", "pareto.csv") if (sweep_dir / name).is_file()]
     if parent is not None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from optuna.storages import RDBStorage
 
-from klbench.redact import redact
+from klbench.record.redact import redact
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from klbench.redact import redact, redact_obj
+from klbench.record.redact import redact, redact_obj
 from klbench.sweep.orphans import RETRY_OF, STUDY_PARENT, STUDY_SWEEP_DIR, job_folders, settle_orphans, trial_runs
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def prepare_study(config: DictConfig):
     name, storage = sw.get("study_name"), sw.get("storage")
     if name and not storage and OmegaConf.select(config, "store.kind") == "server":
         # a single run never opens the study, so the schema lets store.optuna be null; a sweep needs it
-        from klbench.schema import OPTUNA_URL, ConfigError
+        from klbench.config.schema import OPTUNA_URL, ConfigError
         raise ConfigError(f"store.optuna must be {OPTUNA_URL}: a sweep with store=server keeps its Optuna "
                           "study there, got null")
     if not (name and storage and "n_trials" in sw):
@@ -63,7 +63,7 @@ def prepare_study(config: DictConfig):
     import optuna
     from optuna.trial import TrialState
 
-    from klbench import jobs
+    from klbench.sweep import jobs
     from klbench.sweep import storage as resilient
     resilient.install(storage)
     dirs = sw.direction if OmegaConf.is_list(sw.direction) else [sw.direction]

@@ -14,8 +14,8 @@ from pathlib import Path
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig
 
-from klbench.redact import redact
-from klbench.runs import RUN_ID_FILE
+from klbench.record.redact import redact
+from klbench.record.runs import RUN_ID_FILE
 from klbench.sweep.parent import PARENT_FILE
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def end(config: DictConfig, job_return: JobReturn) -> None:
     run_id = id_file.read_text().strip() if id_file.is_file() else None
     err = getattr(job_return, "_return_value", None)  # JobReturn.return_value re-raises
     # SystemExit & co. are control flow (submitit requeueing a job, a kill): the trial goes on elsewhere
-    from klbench.schema import ConfigError
+    from klbench.config.schema import ConfigError
     if job_return.status == JobStatus.FAILED and isinstance(err, ConfigError):
         log.error("trial not run: %s", err)  # stopped before anything was built: no MLflow run
     elif job_return.status == JobStatus.FAILED and isinstance(err, Exception):
@@ -102,7 +102,7 @@ def record_failure(client, config: DictConfig, err: Exception, run_id: str | Non
     message = redact(f"{type(err).__name__}: {err}")[:5000]
     if run_id is None:
         parent = os.environ.get(PARENT_ENV)
-        from klbench.store import ensure_experiment
+        from klbench.record.store import ensure_experiment
         lg = config.logger
         exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
         tags = {"mlflow.parentRunId": parent} if parent else {}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from klbench.estimators.baselines import rloo_advantage
-from klbench.policies import Rollout
+from klbench.models.policies import Rollout
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """task=pretrain: build (or, with task.force, rebuild) the embedded LM that model=embedded describes.
 
-The building lives in klbench.embedded; this runner only picks the spec and prints the result.
+The building lives in klbench.models.embedded; this runner only picks the spec and prints the result.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 
-from klbench.embedded import embedded_lm_dir, ensure_embedded_lm, preset_spec
+from klbench.models.embedded import embedded_lm_dir, ensure_embedded_lm, preset_spec
 
 
 def run_task(cfg) -> dict[str, float]:

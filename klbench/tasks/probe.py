@@ -1,4 +1,4 @@
-"""task=probe: measure every estimator on a policy/reference pair (the math is klbench/probe.py), and the small
+"""task=probe: measure every estimator on a policy/reference pair (the math is klbench/probe/measure.py), and the small
 probe that task=rl / task=distill run at validations with task.probe_every.
 
     klbench task=probe                                    # the embedded reference against itself (KL 0)
@@ -20,8 +20,8 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from klbench import probe as P
-from klbench import resume, tracking
+from klbench.probe import measure as P
+from klbench.record import resume, tracking
 
 # the metric keys of a gradient row logged to MLflow (grad/<key>/<estimator>), each with _lo and _hi
 GRADIENT_METRICS = ("trace_cov", "var_ratio_seq", "mean_norm_sq", "snr", "cos_kl_pi_ref", "cos_kl_ref_pi",
@@ -56,7 +56,7 @@ def load_policy_weights(policy, path: str, cfg: DictConfig) -> int:
 def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
     if policy.fixed_prompt is not None:  # one implicit prompt: n independent groups of samples
         return [policy.fixed_prompt] * n
-    from klbench.data import load_prompts
+    from klbench.models.data import load_prompts
     _, val = load_prompts(cfg.dataset)
     if len(val) < n:
         raise ValueError(f"task.prompts={n} but the dataset's val split has {len(val)} prompts")
@@ -65,7 +65,7 @@ def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
 
 def run_task(cfg: DictConfig) -> dict[str, float]:
     """task=probe: build the pair, probe it, write and log tables and plots; returns the headline metrics."""
-    from klbench.policies import build_policy
+    from klbench.models.policies import build_policy
     t0 = time.time()
     pcfg = probe_config(cfg.task)  # bad options fail before anything is built
     ckpt_path = resume.resolve_ckpt(cfg)
@@ -97,7 +97,7 @@ def run_task(cfg: DictConfig) -> dict[str, float]:
                 for f in files:
                     logger.client.log_artifact(logger.run_id, f)
             logger.end("FINISHED")
-        from klbench import console
+        from klbench.console import messages as console
         console.print_run_where(cfg, logger)
     return metrics
 

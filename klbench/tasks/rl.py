@@ -17,7 +17,7 @@ from klbench.estimators.baselines import rloo_advantage
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.kl_control import build_kl_control
-from klbench.policies import Policy, Rollout
+from klbench.models.policies import Policy, Rollout
 from klbench.tasks.offpolicy import off_policy_step
 
 # train/kl_<label>: value estimator name and options, all on the same batch
@@ -122,7 +122,7 @@ class RLTask(pl.LightningModule):
         values = self.trainer.strategy.reduce(values, reduce_op="mean")
         if self.trainer.is_global_zero:
             logged = dict(zip(keys, values.tolist()))
-            self.last_logged.update(logged)  # what the progress bar shows (klbench.progress)
+            self.last_logged.update(logged)  # what the progress bar shows (klbench.console.progress)
             if self.logger is not None:
                 self.logger.log_metrics(logged, step=self.global_step)
 

@@ -67,7 +67,7 @@ def only_trial_run(outputs: Path, parent_id: str | None = None):
     """The one RUNNING child run, once it has committed a checkpoint (steps_done > 0)."""
     from mlflow.exceptions import MlflowException
 
-    from klbench.store import StoreError, open_store
+    from klbench.record.store import StoreError, open_store
     try:
         # the sweep creates the store under its lock: this poll must never start creating it too
         open_store(f"sqlite:///{outputs}/mlflow.db", create=False)

@@ -12,7 +12,7 @@ import time
 import mlflow
 import pytest
 
-from klbench import runs
+from klbench.record import runs
 from test_record import env_for
 
 pytestmark = pytest.mark.servers

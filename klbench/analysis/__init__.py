@@ -1,0 +1,1 @@
+"""Analyses of the record: Pareto frontiers, distillation curves, their plots and files."""

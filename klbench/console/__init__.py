@@ -1,0 +1,1 @@
+"""What klbench prints: messages, where results are, the progress bar."""

@@ -1,0 +1,356 @@
+"""An autoregressive tabular model small enough to enumerate: exact KLs, exact gradients, exact
+estimator moments, the exact reward+KL optimum and its Pareto frontier, and the loss audit.
+
+A policy is a logit table `theta` [P, K]: one row of next-token logits per prefix. Prefixes are all
+token tuples of length 0..T-1 that contain no EOS. A sequence ends at EOS (which is itself a
+response token) or after T tokens; positions after EOS are padding and masked out.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+import torch
+
+from klbench.estimators import KLBatch
+
+DTYPE = torch.float64
+Surrogate = Callable[[KLBatch], torch.Tensor]
+
+
+class TabularModel:
+    """Enumerates prefixes and complete sequences over vocabulary K and horizon T, and holds pi_ref."""
+
+    def __init__(self, K: int, T: int, ref_logits: torch.Tensor | None = None, eos: int | None = None, seed: int = 0,
+                 ref_scale: float = 1.0):
+        if K < 2 or T < 1:
+            raise ValueError(f"tabular model needs K >= 2 and T >= 1, got K={K}, T={T}")
+        if eos is not None and not 0 <= eos < K:
+            raise ValueError(f"eos must be a token id in [0, {K}), got {eos}")
+        self.K, self.T, self.eos = K, T, eos
+        body = [v for v in range(K) if v != eos]
+        self.prefixes = [p for t in range(T) for p in itertools.product(body, repeat=t)]
+        self.prefix_id = {p: i for i, p in enumerate(self.prefixes)}
+        seqs = [p + (v,) for p in self.prefixes for v in range(K) if v == eos or len(p) == T - 1]
+        self.N, self.P = len(seqs), len(self.prefixes)
+        self.tokens = torch.zeros(self.N, T, dtype=torch.long)  # [N, T], 0 on padding
+        self.seq_prefix = torch.zeros(self.N, T, dtype=torch.long)  # [N, T] prefix row used at each position
+        self.mask = torch.zeros(self.N, T, dtype=torch.bool)  # [N, T]
+        for n, y in enumerate(seqs):
+            self.tokens[n, : len(y)] = torch.tensor(y)
+            self.seq_prefix[n, : len(y)] = torch.tensor([self.prefix_id[y[:t]] for t in range(len(y))])
+            self.mask[n, : len(y)] = True
+        # parent prefix and last token of every non-root prefix, for reach probabilities
+        self.parent = torch.tensor([self.prefix_id[p[:-1]] if p else -1 for p in self.prefixes])
+        self.last = torch.tensor([p[-1] if p else -1 for p in self.prefixes])
+        gen = torch.Generator().manual_seed(seed)
+        self.ref_logits = (ref_scale * torch.randn(self.P, K, generator=gen, dtype=DTYPE) if ref_logits is None
+                           else ref_logits.to(DTYPE))
+        if self.ref_logits.shape != (self.P, K):
+            raise ValueError(f"ref_logits must be [P, K] = [{self.P}, {K}], got {tuple(self.ref_logits.shape)}")
+
+    def random_policy(self, seed: int, scale: float = 1.0) -> torch.Tensor:
+        """A random policy table [P, K], float64 (requires_grad is the caller's choice)."""
+        gen = torch.Generator().manual_seed(seed)
+        return scale * torch.randn(self.P, self.K, generator=gen, dtype=DTYPE)
+
+    # ---- exact quantities, differentiable in theta ----
+
+    def seq_logprob(self, table: torch.Tensor) -> torch.Tensor:
+        """[N] log probability of every complete sequence under a logit table [P, K]."""
+        logp = torch.log_softmax(table, -1)[self.seq_prefix].gather(-1, self.tokens.unsqueeze(-1)).squeeze(-1)
+        return torch.where(self.mask, logp, torch.zeros((), dtype=logp.dtype)).sum(-1)
+
+    def kl_pi_ref(self, theta: torch.Tensor) -> torch.Tensor:
+        """KL(pi || pi_ref) over whole sequences."""
+        lp, lr = self.seq_logprob(theta), self.seq_logprob(self.ref_logits)
+        return (lp.exp() * (lp - lr)).sum()
+
+    def kl_ref_pi(self, theta: torch.Tensor) -> torch.Tensor:
+        """KL(pi_ref || pi) over whole sequences."""
+        lp, lr = self.seq_logprob(theta), self.seq_logprob(self.ref_logits)
+        return (lr.exp() * (lr - lp)).sum()
+
+    def reach(self, theta: torch.Tensor) -> torch.Tensor:
+        """[P] probability under pi that a sampled response passes through each prefix."""
+        probs = torch.softmax(theta, -1)
+        out = torch.ones(self.P, dtype=theta.dtype)
+        for i in range(1, self.P):  # prefixes are ordered by length, so parents come first
+            out[i] = out[self.parent[i]] * probs[self.parent[i], self.last[i]]
+        return out
+
+    def token_kls(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P] per-prefix KL(pi(.|p) || pi_ref(.|p)) and KL(pi_ref(.|p) || pi(.|p))."""
+        lp, lr = torch.log_softmax(theta, -1), torch.log_softmax(self.ref_logits, -1)
+        return (lp.exp() * (lp - lr)).sum(-1), (lr.exp() * (lr - lp)).sum(-1)
+
+    def partial_kl_pi_ref(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_p sg(reach(p)) KL(pi(.|p) || pi_ref(.|p)): its gradient is the token-level partial one.
+        Prefixes are drawn from pi, or from the behaviour table [P, K] if given (the "@old" partial)."""
+        reach = self.reach(theta if behaviour is None else behaviour).detach()
+        return (reach * self.token_kls(theta)[0]).sum()
+
+    def partial_kl_ref_pi(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_p sg(reach(p)) KL(pi_ref(.|p) || pi(.|p)), prefixes drawn from pi (or behaviour), held fixed."""
+        reach = self.reach(theta if behaviour is None else behaviour).detach()
+        return (reach * self.token_kls(theta)[1]).sum()
+
+    def exact_gradients(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The candidate expected gradients [P, K] that the audit compares against. With a behaviour table
+        (samples from pi_old), also the partial gradients whose prefixes come from pi_old ("...@old")."""
+        fns = [("kl_pi_ref", self.kl_pi_ref), ("kl_ref_pi", self.kl_ref_pi),
+               ("partial_kl_pi_ref", self.partial_kl_pi_ref), ("partial_kl_ref_pi", self.partial_kl_ref_pi)]
+        if behaviour is not None:
+            old = behaviour.detach()
+            fns += [("partial_kl_pi_ref@old", lambda t: self.partial_kl_pi_ref(t, old)),
+                    ("partial_kl_ref_pi@old", lambda t: self.partial_kl_ref_pi(t, old))]
+        out = {}
+        for name, fn in fns:
+            t = theta.detach().clone().requires_grad_()
+            out[name] = torch.autograd.grad(fn(t), t)[0]
+        out["zero"] = torch.zeros_like(theta)
+        return out
+
+    # ---- estimators evaluated on every sequence (or every n-tuple of one prompt) ----
+
+    def batch(self, tables: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor | None = None,
+              group: torch.Tensor | None = None, behaviour: torch.Tensor | None = None) -> KLBatch:
+        """KLBatch for sequences `rows` [B]; row b reads policy table `tables[owner[b]]` ([M, P, K] tables).
+        With a behaviour table [P, K] the batch carries old_logp, the log-probs under pi_old."""
+        if tables.dim() == 2:
+            tables, owner = tables.unsqueeze(0), torch.zeros_like(rows)
+        pre = self.seq_prefix[rows]  # [B, T]
+        logits = tables[owner.unsqueeze(-1), pre]  # [B, T, K]
+        ref_logits = self.ref_logits[pre]  # [B, T, K]
+        tok = self.tokens[rows].unsqueeze(-1)  # [B, T, 1]
+        logp = torch.log_softmax(logits, -1).gather(-1, tok).squeeze(-1)
+        ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, tok).squeeze(-1)
+        old_logp = None
+        if behaviour is not None:
+            old_logp = torch.log_softmax(behaviour.detach()[pre], -1).gather(-1, tok).squeeze(-1)  # [B, T]
+        return KLBatch(logp, ref_logp, self.mask[rows], logits, ref_logits, group=group, old_logp=old_logp)
+
+    def _tuples(self, theta: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All n-tuples of sequences [M, n] with their probabilities [M] under the sampling table theta."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if self.N ** n > 2_000_000:
+            raise ValueError(f"{self.N}^{n} tuples is too many to enumerate; use a smaller K, T or n")
+        p = self.seq_logprob(theta.detach()).exp()  # [N]
+        idx = torch.cartesian_prod(*[torch.arange(self.N)] * n).reshape(-1, n)  # [M, n]
+        return idx, p[idx].prod(-1)
+
+    def gradient_moments(self, surrogate: Surrogate, theta: torch.Tensor, n: int = 1,
+                         behaviour: torch.Tensor | None = None) -> "Moments":
+        """Exact mean [P, K] and trace of covariance of the gradient sample grad (1/n) sum_i L_i, where the
+        n samples of one prompt are drawn i.i.d. from pi, or from the behaviour table pi_old [P, K] if given
+        (the batch then carries old_logp). Per-tuple gradients come from one backward pass through
+        per-tuple copies of theta."""
+        idx, w = self._tuples(theta if behaviour is None else behaviour, n)
+        M = idx.shape[0]
+        copies = theta.detach().expand(M, -1, -1).clone().requires_grad_()  # [M, P, K]
+        owner = torch.arange(M).repeat_interleave(n)  # [M * n]
+        surr = _as_tensor(surrogate(self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour)),
+                          M * n)
+        g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
+        mean = (w.unsqueeze(-1) * g).sum(0)
+        trace = (w * (g ** 2).sum(-1)).sum() - (mean ** 2).sum()
+        return Moments(mean.reshape(theta.shape), float(trace))
+
+    def value_moments(self, value_fn: Surrogate, theta: torch.Tensor, n: int = 1,
+                      behaviour: torch.Tensor | None = None) -> "Moments":
+        """Exact mean and variance of the batch-mean estimate (1/n) sum_i v_i over n i.i.d. samples
+        (from pi, or from the behaviour table if given)."""
+        idx, w = self._tuples(theta if behaviour is None else behaviour, n)
+        owner = torch.arange(idx.shape[0]).repeat_interleave(n)
+        v = _as_tensor(value_fn(self.batch(theta.detach(), idx.reshape(-1), group=owner, behaviour=behaviour)),
+                       idx.numel())
+        est = v.reshape(-1, n).mean(-1)  # [M]
+        mean = (w * est).sum()
+        return Moments(mean, float((w * (est - mean) ** 2).sum()))
+
+    # ---- reward + beta * KL: exact optimum and Pareto frontier ----
+
+    def optimal_seq_logprob(self, reward: torch.Tensor, beta: float) -> torch.Tensor:
+        """[N] log pi*_beta(y), pi*_beta ∝ pi_ref exp(r / beta): the maximiser of E[r] - beta KL(pi || pi_ref)."""
+        if beta <= 0:
+            raise ValueError(f"beta must be > 0 for the closed-form optimum, got {beta}")
+        s = self.seq_logprob(self.ref_logits) + reward.to(DTYPE) / beta
+        return s - torch.logsumexp(s, 0)
+
+    def table_from_seq_logprob(self, seq_logprob: torch.Tensor) -> torch.Tensor:
+        """The autoregressive logit table [P, K] whose sequence distribution is exp(seq_logprob)."""
+        mass = torch.zeros(self.P, self.K, dtype=DTYPE)  # mass of sequences through (prefix, next token)
+        p = seq_logprob.exp().unsqueeze(-1).expand(-1, self.T)  # [N, T]
+        mass.index_put_((self.seq_prefix[self.mask], self.tokens[self.mask]), p[self.mask], accumulate=True)
+        return mass.log()
+
+    def expected_reward(self, theta: torch.Tensor, reward: torch.Tensor) -> torch.Tensor:
+        return (self.seq_logprob(theta).exp() * reward.to(DTYPE)).sum()
+
+    def pareto_frontier(self, reward: torch.Tensor, betas: torch.Tensor | None = None) -> "Frontier":
+        """Exact reward-vs-kl_pi_ref frontier traced by pi*_beta over a beta grid (log-spaced by default)."""
+        betas = torch.logspace(-3, 3, 400, dtype=DTYPE) if betas is None else betas.to(DTYPE)
+        lr = self.seq_logprob(self.ref_logits)
+        rewards, kls = [], []
+        for beta in betas.tolist():
+            ls = self.optimal_seq_logprob(reward, beta)
+            rewards.append(float((ls.exp() * reward).sum()))
+            kls.append(float((ls.exp() * (ls - lr)).sum()))
+        return Frontier(betas, torch.tensor(rewards, dtype=DTYPE), torch.tensor(kls, dtype=DTYPE))
+
+
+@dataclass
+class Moments:
+    mean: torch.Tensor
+    trace: float  # trace of the covariance (gradients) or the variance (values)
+
+
+@dataclass
+class Frontier:
+    """Exact Pareto frontier: for each beta, the optimum's reward and kl_pi_ref (KL grows as beta falls)."""
+
+    betas: torch.Tensor
+    rewards: torch.Tensor
+    kls: torch.Tensor
+
+    def best_reward_at(self, kl: float) -> float:
+        """Highest reward any policy reaches with kl_pi_ref <= kl (linear interpolation on the frontier)."""
+        order = torch.argsort(self.kls)
+        k, r = self.kls[order], self.rewards[order]
+        if kl <= k[0]:
+            return float(r[0])
+        if kl >= k[-1]:
+            return float(r[-1])
+        j = int(torch.searchsorted(k, torch.tensor(kl, dtype=DTYPE)))
+        f = (kl - k[j - 1]) / (k[j] - k[j - 1])
+        return float(r[j - 1] + f * (r[j] - r[j - 1]))
+
+    def reward_gap(self, reward: float, kl: float) -> float:
+        """How much reward a policy at (reward, kl) leaves on the table versus the exact frontier (>= 0)."""
+        return self.best_reward_at(kl) - reward
+
+
+def _as_tensor(out, size: int) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or out.shape != (size,):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"a surrogate must return one value per sequence, shape ({size},); got {shape}. "
+                         "Return the per-sequence loss before any batch mean.")
+    return out
+
+
+# ---- the audit: which exact gradient does an arbitrary loss follow? ----
+
+CANDIDATES = ("kl_pi_ref", "kl_ref_pi", "partial_kl_pi_ref", "partial_kl_ref_pi", "zero")
+# with a behaviour policy: the partial gradients whose prefixes are drawn from pi_old (what per-token
+# importance ratios give), between the on-policy partials and zero
+OLD_CANDIDATES = ("partial_kl_pi_ref@old", "partial_kl_ref_pi@old")
+Behaviour = Union[float, Callable[[TabularModel, torch.Tensor], torch.Tensor], Sequence[torch.Tensor], None]
+
+
+@dataclass
+class AuditRow:
+    candidate: str
+    cosine: float  # mean over instances (nan for zero)
+    rel_error: float  # max over instances of |E[g] - g_c| / |g_c| (|E[g]| / |grad kl_pi_ref| for zero)
+    scale: float  # least-squares s in E[g] ≈ s g_c, mean over instances
+
+
+@dataclass
+class AuditReport:
+    rows: list[AuditRow]
+    match: str  # a candidate name, "<scale> x <candidate>", or "none of the above"
+    off_policy: bool = False  # samples were drawn from a behaviour policy pi_old != pi
+
+    def __str__(self) -> str:
+        width = max(20, *(len(r.candidate) for r in self.rows))
+        lines = ["samples from a behaviour policy pi_old != pi (KLBatch.old_logp set)"] if self.off_policy else []
+        lines.append(f"{'candidate':<{width}} {'cosine':>8} {'rel_error':>10} {'scale':>8}")
+        for r in self.rows:
+            lines.append(f"{r.candidate:<{width}} {r.cosine:>8.4f} {r.rel_error:>10.2e} {r.scale:>8.4f}")
+        lines.append(f"expected gradient matches: {self.match}")
+        return "\n".join(lines)
+
+
+def default_instances() -> list[tuple[TabularModel, torch.Tensor]]:
+    """Three instances, two with EOS, where the four KL gradients all differ visibly."""
+    out = []
+    for seed, (K, T, eos) in enumerate([(3, 3, None), (4, 3, 0), (3, 4, 0)]):
+        model = TabularModel(K, T, eos=eos, seed=100 + seed)
+        out.append((model, model.random_policy(seed=200 + seed)))
+    return out
+
+
+def behaviour_tables(instances: list[tuple[TabularModel, torch.Tensor]], behaviour: Behaviour) -> list:
+    """One behaviour table [P, K] (or None) per instance. behaviour: None (on-policy); a float s, for
+    pi_old = theta + s * N(0, 1) with a fixed seed per instance; a callable (model, theta) -> table; or a
+    list of tables, one per instance."""
+    if behaviour is None:
+        return [None] * len(instances)
+    if isinstance(behaviour, (int, float)) and not isinstance(behaviour, bool):
+        if not behaviour > 0:
+            raise ValueError(f"behaviour as a float is the scale of pi_old's logit perturbation: > 0, got {behaviour}")
+        return [theta.detach() + model.random_policy(seed=300 + i, scale=float(behaviour))
+                for i, (model, theta) in enumerate(instances)]
+    tables = [behaviour(m, th) for m, th in instances] if callable(behaviour) else list(behaviour)
+    if len(tables) != len(instances):
+        raise ValueError(f"behaviour: {len(tables)} tables for {len(instances)} instances")
+    for (m, _), t in zip(instances, tables):
+        if not isinstance(t, torch.Tensor) or t.shape != (m.P, m.K):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"behaviour table must be [P, K] = [{m.P}, {m.K}] logits, got {got}")
+    return [t.detach().to(DTYPE) for t in tables]
+
+
+def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Tensor]] | None = None,
+          n: int = 1, tol: float = 1e-6, behaviour: Behaviour = None) -> AuditReport:
+    """Report which exact gradient the expectation of `surrogate_fn(batch) -> Tensor[B]` follows.
+
+    The loss is evaluated on every sequence (every n-tuple of one prompt if n > 1, with `group` set),
+    weighted by its exact probability under pi, so the answer has no sampling noise. With `behaviour`
+    (see behaviour_tables; e.g. behaviour=0.5) the samples come from pi_old instead, the batch carries
+    old_logp, and the candidates include the partial gradients with prefixes from pi_old ("@old").
+    """
+    instances = default_instances() if instances is None else instances
+    olds = behaviour_tables(instances, behaviour)
+    candidates = CANDIDATES if behaviour is None else CANDIDATES[:4] + OLD_CANDIDATES + ("zero",)
+    per = {c: [] for c in candidates}
+    for (model, theta), old in zip(instances, olds):
+        mean = model.gradient_moments(surrogate_fn, theta, n=n, behaviour=old).mean.flatten()
+        exact = {k: v.flatten() for k, v in model.exact_gradients(theta, behaviour=old).items()}
+        ref_norm = exact["kl_pi_ref"].norm()
+        for c in candidates:
+            g = exact[c]
+            if c == "zero":
+                per[c].append((float("nan"), float(mean.norm() / ref_norm), 0.0))
+                continue
+            cos = float(mean @ g / (mean.norm() * g.norm() + 1e-300))
+            scale = float(mean @ g / (g @ g))
+            per[c].append((cos, float((mean - g).norm() / g.norm()), scale))
+    rows = [AuditRow(c, sum(v[0] for v in vals) / len(vals), max(v[1] for v in vals),
+                     sum(v[2] for v in vals) / len(vals)) for c, vals in per.items()]
+    return AuditReport(rows, _verdict(rows, per, tol), off_policy=behaviour is not None)
+
+
+def _verdict(rows: list[AuditRow], per: dict, tol: float) -> str:
+    for r in rows:
+        if r.rel_error <= tol:
+            return r.candidate
+    for r in rows:  # proportional: cosine 1 on every instance with one common scale
+        if r.candidate != "zero" and all(abs(v[0] - 1) <= tol and abs(v[2] - r.scale) <= tol * max(1, abs(r.scale))
+                                         for v in per[r.candidate]):
+            return f"{r.scale:.6g} x {r.candidate}"
+    return "none of the above"
+
+
+class TabularReward:
+    """A reward table r [N] over the tabular model's sequences: r(y) = scale * N(0, 1), fixed by seed."""
+
+    def __init__(self, model: TabularModel, seed: int = 1, scale: float = 1.0):
+        gen = torch.Generator().manual_seed(seed)
+        self.table = scale * torch.randn(model.N, generator=gen, dtype=DTYPE)  # [N]
+
+    def __call__(self, ro) -> torch.Tensor:
+        """[B] the rewards of a rollout of klbench.models.policies.TabularPolicy, by its sequence ids."""
+        return self.table[ro.seq_ids.cpu()]

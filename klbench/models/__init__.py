@@ -1,0 +1,1 @@
+"""Policies, Hugging Face and embedded models, rewards and prompt data."""

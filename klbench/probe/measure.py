@@ -1,0 +1,586 @@
+"""Estimator quality on any policy/reference pair: bias and variance of every value and gradient estimator,
+measured by sampling, with bootstrap confidence intervals. Pure torch: no Lightning, no Hydra.
+
+    from klbench.probe.measure import ProbeConfig, run_probe
+    result = run_probe(policy, prompts, ProbeConfig(samples=32, replicates=128))
+    print(result.summary())
+
+`policy` is anything with `rollout(prompts, n)`, `score(rollout) -> KLBatch` and `trainable()` (klbench's
+LMPolicy and TabularPolicy). The probe draws R independent replicates from its own seeded stream (the
+caller's RNG state is restored afterwards, so a probe inside training never shifts it). One replicate
+samples `samples` (M_max) responses for each prompt; every value estimator is evaluated on them, and
+every gradient estimator on the first `grad_samples` of each prompt (one per-batch gradient, as one
+training step would compute it).
+
+Values: per-prompt mean, bias against a reference (the exact KL on the tabular model, else `rb` on
+`ref_batches x ref_samples` separate samples), and the std of the M-sample estimate for M = 1, 2, 4, ...,
+M_max (a prompt's std, averaged over prompts), each as a ratio to `mc`'s.
+
+Gradients: Welford running moments of the flattened gradient over the trainable parameters (O(parameters)
+memory; `project_dim` runs them in a fixed CountSketch of that size instead), giving the trace of the
+covariance of the per-batch gradient, the norm of its mean, its cosine and relative error to two reference
+gradients (`kl_pi_ref`: exact on tabular, else `rb` on the reference samples; `kl_ref_pi`: exact on tabular,
+else -E_{y ~ pi_ref}[grad log pi(y)] on samples drawn from pi_ref), the signal-to-noise ratio (||E g||^2 / tr Cov), and the
+trace as a ratio to `seq`'s. Squared norms are debiased (||mean||^2 - trace/R, and the reference's own
+noise), so an estimator whose mean is zero gets an estimate, and a CI, around zero.
+
+Confidence intervals: percentile bootstrap over the R replicates, the same resampled replicates for every
+estimator (paired: a ratio's CI reflects that both estimators saw the same samples). For the gradients,
+the bootstrap keeps per-replicate scalars exactly (||g_r||^2, g_r . reference) and a fixed CountSketch
+(`boot_dim`) of each g_r for the cross term ||mean*||^2 - ||mean||^2; below `boot_dim` parameters the
+sketch is the identity (exact). The references are held fixed in the bootstrap; their noise is reported.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from klbench.estimators import GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, KLBatch, gradient_estimator, value_estimator
+from klbench.estimators.values import REPORTED as REPORTED_VALUES
+
+# value estimators probed, label -> (registered name, options); registered names not covered join with defaults
+VALUE_VARIANTS: dict[str, tuple[str, dict]] = REPORTED_VALUES
+# fitted on the batch they are given: their M-sample estimate is computed on M samples, not averaged
+BATCH_FITTED = {"cv_opt"}
+# gradient variants beyond each registered estimator with its defaults: naive_cv at sequence level is the one
+# whose expectation is exactly lam * grad kl_ref_pi (the token level follows the prefix-fixed partial KL)
+EXTRA_GRADIENT_VARIANTS: dict[str, tuple[str, dict]] = {"naive_cv_seq": ("naive_cv", {"level": "sequence"})}
+REFERENCES = ("kl_pi_ref", "kl_ref_pi")
+VAR_BASELINE, STD_BASELINE = "seq", "mc"  # ratios are to these
+
+
+def value_variants(labels: list[str] | None = None) -> dict[str, tuple[str, dict]]:
+    variants = dict(VALUE_VARIANTS)
+    used = {name for name, _ in variants.values()}
+    variants.update({name: (name, {}) for name in VALUE_ESTIMATORS if name not in used})
+    return _select(variants, labels, "value")
+
+
+def gradient_variants(labels: list[str] | None = None) -> dict[str, tuple[str, dict]]:
+    variants = {name: (name, {}) for name in GRADIENT_ESTIMATORS}
+    variants.update(EXTRA_GRADIENT_VARIANTS)
+    return _select(variants, labels, "gradient")
+
+
+def _select(variants: dict, labels: list[str] | None, kind: str) -> dict:
+    if labels is None:
+        return variants
+    unknown = [lab for lab in labels if lab not in variants]
+    if unknown:
+        raise ValueError(f"unknown {kind} estimator(s) {unknown} for the probe; valid: {', '.join(variants)}")
+    return {lab: variants[lab] for lab in labels}
+
+
+@dataclass
+class ProbeConfig:
+    samples: int = 32  # M_max: samples per prompt per replicate for the value estimators
+    grad_samples: int = 4  # samples per prompt in one per-batch gradient (<= samples)
+    replicates: int = 64  # R
+    ref_batches: int = 8  # reference: batches of ref_samples samples per prompt (LMs; tabular is exact)
+    ref_samples: int = 32
+    seed: int = 4321
+    bootstrap: int = 1000  # resamples of the R replicates
+    ci_level: float = 0.95
+    boot_dim: int = 2048  # CountSketch size for the gradient bootstrap's cross term (identity below it)
+    project_dim: int | None = None  # None: moments over every trainable parameter; k: in a k-dim CountSketch
+    value_estimators: list[str] | None = None  # labels of value_variants(); None: all
+    gradient_estimators: list[str] | None = None  # labels of gradient_variants(); None: all
+
+    def __post_init__(self) -> None:
+        for key in ("samples", "grad_samples", "replicates", "ref_batches", "ref_samples", "bootstrap", "boot_dim"):
+            v = getattr(self, key)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"probe {key} must be an integer >= 1, got {v!r}")
+        if self.replicates < 2:
+            raise ValueError(f"probe replicates must be >= 2 to estimate a variance, got {self.replicates}")
+        if self.grad_samples > self.samples:
+            raise ValueError(f"probe grad_samples ({self.grad_samples}) must be <= samples ({self.samples}): the "
+                             "gradient batch reuses the first grad_samples of each prompt's samples")
+        if not 0 < self.ci_level < 1:
+            raise ValueError(f"probe ci_level must be in (0, 1), got {self.ci_level}")
+        if self.project_dim is not None and not (isinstance(self.project_dim, int) and self.project_dim >= 1):
+            raise ValueError(f"probe project_dim must be null or an integer >= 1, got {self.project_dim!r}")
+
+    @property
+    def sizes(self) -> list[int]:
+        """M = 1, 2, 4, ... up to M_max (M_max included even when it is not a power of two)."""
+        out, m = [], 1
+        while m <= self.samples:
+            out.append(m)
+            m *= 2
+        return out if out[-1] == self.samples else out + [self.samples]
+
+
+# ---- the statistics ----
+
+class Welford:
+    """Running mean and sum of squared deviations of vectors [D] in float64: O(D) memory, numerically stable."""
+
+    def __init__(self, dim: int, device: torch.device | str = "cpu"):
+        self.n = 0
+        self.mean = torch.zeros(dim, dtype=torch.float64, device=device)  # [D]
+        self.m2 = torch.zeros(dim, dtype=torch.float64, device=device)  # [D] per-coordinate sum of squared deviations
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.to(self.mean)
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+    @property
+    def trace_cov(self) -> float:
+        """Unbiased trace of the covariance of one sample."""
+        return float(self.m2.sum()) / (self.n - 1) if self.n > 1 else float("nan")
+
+
+class CountSketch:
+    """A fixed random linear map R^D -> R^k (each coordinate to one bucket with a random sign) with
+    E[<Sx, Sy>] = <x, y> over the draw of the map: inner products and traces survive in expectation."""
+
+    def __init__(self, dim: int, k: int, seed: int, device: torch.device | str = "cpu"):
+        gen = torch.Generator().manual_seed(seed)
+        self.k = k
+        self.bucket = torch.randint(0, k, (dim,), generator=gen).to(device)  # [D]
+        self.sign = (torch.randint(0, 2, (dim,), generator=gen) * 2 - 1).to(device, torch.float64)  # [D]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.k, dtype=torch.float64, device=x.device).index_add_(0, self.bucket, x * self.sign)
+
+
+def bootstrap_weights(R: int, B: int, seed: int) -> torch.Tensor:
+    """[B + 1, R] float64 multiplicities of each replicate: row 0 is the sample itself (all ones), rows 1..B
+    resample the R replicates with replacement."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, R, (B, R), generator=gen)
+    w = torch.zeros(B, R, dtype=torch.float64).scatter_add_(1, idx, torch.ones(B, R, dtype=torch.float64))
+    return torch.cat([torch.ones(1, R, dtype=torch.float64), w])
+
+
+def ci(samples: torch.Tensor, level: float, point: float | None = None, truth: float | None = None
+       ) -> tuple[float, float]:
+    """Bias-corrected percentile interval from bootstrap samples [B] of a statistic whose estimate is `point`.
+
+    `truth` is the statistic's value in the bootstrap world (computed on the empirical distribution itself,
+    e.g. the plug-in ||mean||^2 for the debiased squared norm): b = mean(samples) - truth estimates the
+    estimator's bias, and the interval is the percentile interval moved to sit around point - b. Without
+    that shift a debiased squared norm's interval sits trace/R too high (a zero-mean gradient's interval
+    would exclude zero) and a debiased cosine's O(1/R) bias above 1 is not undone. Non-finite samples (a
+    cosine whose norm estimate is <= 0) are left out; nan when fewer than half are finite."""
+    s = samples[torch.isfinite(samples)]
+    if s.numel() < max(2, samples.numel() // 2):
+        return float("nan"), float("nan")
+    a = (1 - level) / 2
+    q = torch.quantile(s, torch.tensor([a, 1 - a], dtype=s.dtype))
+    shift = 0.0
+    if point is not None and math.isfinite(point):
+        m = float(s.mean())
+        bias = m - truth if truth is not None and math.isfinite(truth) else 0.0
+        shift = m - point + bias
+    return float(q[0]) - shift, float(q[1]) - shift
+
+
+def _fill(row: dict, key: str, v: torch.Tensor, level: float) -> None:
+    """row[key], row[key_lo], row[key_hi] from [B + 2] (point, B bootstrap samples, bootstrap-world truth)."""
+    row[key] = float(v[0])
+    row[key + "_lo"], row[key + "_hi"] = ci(v[1:-1], level, float(v[0]), float(v[-1]))
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.where(b > 0, a / b.clamp(min=1e-300), torch.full_like(a, float("nan")))
+
+
+@dataclass
+class _GradientTrack:
+    """Per gradient estimator: exact running moments plus what the bootstrap needs, per replicate."""
+
+    welford: Welford
+    sq: list = field(default_factory=list)  # ||g_r||^2
+    dots: dict = field(default_factory=dict)  # reference -> [g_r . reference mean]
+    sketch: torch.Tensor | None = None  # [R, boot_dim] float32 sketches (or the vectors themselves), row r = g_r
+
+
+@dataclass
+class Reference:
+    """A reference gradient: its mean [D] and the trace of its own noise (variance of that mean; 0 if exact)."""
+
+    mean: torch.Tensor
+    noise: float
+    how: str
+
+    @property
+    def sq_debiased(self) -> float:
+        return float(self.mean @ self.mean) - self.noise
+
+
+@dataclass
+class ProbeResult:
+    values: list[dict]  # one row per value estimator and M
+    gradients: list[dict]  # one row per gradient estimator
+    meta: dict[str, Any]
+    rows_at: Callable[[float], tuple[list, list]] | None = field(default=None, repr=False, compare=False)
+
+    def at_level(self, level: float) -> "ProbeResult":
+        """The same measurement with CIs at another level (the bootstrap samples are kept, not redrawn)."""
+        values, gradients = self.rows_at(level)
+        return ProbeResult(values, gradients, {**self.meta, "ci_level": level}, self.rows_at)
+
+    def value_rows(self, M: int | None = None) -> list[dict]:
+        """Rows at M (default: each estimator's smallest M, its per-sample row where it has one)."""
+        if M is not None:
+            return [r for r in self.values if r["M"] == M]
+        seen, out = set(), []
+        for r in self.values:
+            if r["estimator"] not in seen:
+                seen.add(r["estimator"])
+                out.append(r)
+        return out
+
+    def summary(self) -> str:
+        lines = [f"probe: {self.meta['prompts']} prompts, R={self.meta['replicates']} replicates, "
+                 f"M_max={self.meta['samples']}, gradient batch {self.meta['prompts']} x {self.meta['grad_samples']}, "
+                 f"{self.meta['n_params']} parameters ({self.meta['gradient_space']}); value reference: "
+                 f"{self.meta['value_reference']} = {self.meta['kl_reference']:.4f} nats; "
+                 f"{self.meta['ci_level']:.0%} bootstrap CIs"]
+        lines.append("")
+        lines.append(format_table(self.value_rows(), VALUE_SUMMARY_COLUMNS))
+        lines.append("")
+        lines.append(format_table(self.gradients, GRADIENT_SUMMARY_COLUMNS))
+        if self.meta.get("skipped"):
+            lines.append("skipped: " + "; ".join(f"{k}: {v}" for k, v in self.meta["skipped"].items()))
+        lines.append(f"time {self.meta['time_s']:.1f} s (references {self.meta['ref_time_s']:.1f} s), "
+                     f"peak RSS {self.meta['peak_rss_mb']:.0f} MB")
+        return "\n".join(lines)
+
+
+# ---- tables ----
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _with_ci(row: dict, key: str) -> str:
+    lo, hi = row.get(key + "_lo"), row.get(key + "_hi")
+    if lo is None:
+        return _fmt(row[key])
+    return f"{_fmt(row[key])} [{_fmt(lo)}, {_fmt(hi)}]"
+
+
+VALUE_SUMMARY_COLUMNS = [("estimator", "estimator"), ("M", "M"), ("mean", "mean"), ("mean_se", "s.e."),
+                         ("bias", "bias [CI]"), ("std", "std [CI]"), ("std_ratio_mc", "std / mc [CI]")]
+VALUE_COLUMNS = VALUE_SUMMARY_COLUMNS
+GRADIENT_SUMMARY_COLUMNS = [("estimator", "estimator"), ("trace_cov", "tr Cov [CI]"),
+                            ("var_ratio_seq", "tr Cov / seq [CI]"), ("mean_norm_sq", "||E g||^2 [CI]"),
+                            ("snr", "SNR ||E g||^2/tr Cov [CI]"), ("cos_kl_pi_ref", "cos kl_pi_ref [CI]"),
+                            ("cos_kl_ref_pi", "cos kl_ref_pi [CI]")]
+GRADIENT_COLUMNS = GRADIENT_SUMMARY_COLUMNS + [("rel_err_kl_pi_ref", "rel. err kl_pi_ref [CI]"),
+                                               ("rel_err_kl_ref_pi", "rel. err kl_ref_pi [CI]")]
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str]], markdown: bool = False) -> str:
+    cells = [[_with_ci(r, k) if k not in ("estimator", "M") else _fmt(r[k]) for k, _ in columns] for r in rows]
+    heads = [h for _, h in columns]
+    if markdown:
+        out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        return "\n".join(out + ["| " + " | ".join(c) + " |" for c in cells])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(heads)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(heads, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(out)
+
+
+# ---- sampling helpers ----
+
+def _sub_rollout(ro, rows: torch.Tensor):
+    """The rows `rows` of a Rollout (the first grad_samples of each prompt)."""
+    from klbench.models.policies import Rollout
+    r = rows.tolist()
+    return Rollout(ro.tokens[rows], ro.attention[rows], ro.prompt_len, ro.mask[rows], ro.group[rows],
+                   [ro.texts[i] for i in r], [ro.prompts[i] for i in r],
+                   None if ro.seq_ids is None else ro.seq_ids[rows])
+
+
+def exact_reference(policy) -> dict | None:
+    """Where the policy can enumerate its truth (tabular): the exact KL both ways and the exact gradients of
+    kl_pi_ref and kl_ref_pi; else None."""
+    grads = policy.exact_gradients()
+    if grads is None:
+        return None
+    exact = policy.exact_metrics()
+    return {"kl": exact["seq_kl"], "kl_ref_pi": exact["kl_ref_pi"], "grads": {k: grads[k].flatten() for k in REFERENCES}}
+
+
+def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor], retain: bool) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64)
+                      for g, p in zip(grads, params)])  # [D]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
+
+
+# ---- the probe ----
+
+def run_probe(policy, prompts: list[str], cfg: ProbeConfig, progress: bool = True,
+              log: Callable[[str], None] | None = None) -> ProbeResult:
+    """Measure every value and gradient estimator on `policy` (pi) against its reference (pi_ref).
+
+    Draws from its own stream seeded with cfg.seed; the caller's torch RNG state (CPU and the policy's
+    CUDA device) is the same afterwards. Never touches parameters' .grad.
+    """
+    if not prompts:
+        raise ValueError("the probe needs at least one prompt")
+    device = policy.device
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
+        torch.manual_seed(cfg.seed)
+        return _run(policy, list(prompts), cfg, progress, log or (lambda s: None))
+
+
+def _run(policy, prompts: list[str], cfg: ProbeConfig, progress: bool, log) -> ProbeResult:
+    t_start = time.perf_counter()
+    if policy.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(policy.device)
+    params = policy.trainable()
+    device = policy.device
+    D = sum(p.numel() for p in params)
+    project = CountSketch(D, cfg.project_dim, cfg.seed + 1, device) if cfg.project_dim else None
+    dim = cfg.project_dim or D
+    boot_sketch = CountSketch(dim, cfg.boot_dim, cfg.seed + 2, device) if dim > cfg.boot_dim else None
+    values = {lab: value_estimator(name, **o) for lab, (name, o) in value_variants(cfg.value_estimators).items()}
+    grads = {lab: gradient_estimator(name, **o)
+             for lab, (name, o) in gradient_variants(cfg.gradient_estimators).items()}
+    P, Mx, Mg, R = len(prompts), cfg.samples, cfg.grad_samples, cfg.replicates
+    sizes = cfg.sizes
+    skipped: dict[str, str] = {}
+
+    def vec(g: torch.Tensor) -> torch.Tensor:
+        return project(g) if project is not None else g
+
+    # ---- references: exact on tabular, else separate samples (their own part of the stream) ----
+    exact = exact_reference(policy)
+    t_ref = time.perf_counter()
+    if exact is not None:
+        refs = {k: Reference(vec(v.to(device, torch.float64)), 0.0, "exact") for k, v in exact["grads"].items()}
+        kl_ref = torch.full((P,), exact["kl"], dtype=torch.float64)
+        kl_ref_se, value_ref_how = 0.0, "exact KL"
+    else:
+        refs, kl_ref, kl_ref_se = _lm_references(policy, prompts, cfg, params, vec, dim, progress)
+        value_ref_how = f"rb on {cfg.ref_batches} x {cfg.ref_samples} samples per prompt"
+    t_ref = time.perf_counter() - t_ref
+
+    # ---- replicates ----
+    # storage for every replicate, allocated once: small tensors kept per replicate between the big temporary
+    # ones would pin the allocator's heap and grow the process by megabytes per replicate
+    per_sample = {lab: torch.full((R, P, Mx), float("nan"), dtype=torch.float64)
+                  for lab in values if lab not in BATCH_FITTED}  # lab -> [R, P, Mx]
+    fitted = {lab: {M: torch.full((R, P, Mx // M), float("nan"), dtype=torch.float64) for M in sizes if M >= 2}
+              for lab in values if lab in BATCH_FITTED}  # lab -> M -> [R, P, C]
+    k = boot_sketch.k if boot_sketch is not None else dim
+    tracks = {lab: _GradientTrack(Welford(dim, device), sketch=torch.zeros(R, k)) for lab in grads}
+    grad_rows = torch.tensor([p * Mx + j for p in range(P) for j in range(Mg)], device=device)
+    iterator = range(R)
+    if progress:
+        from tqdm import tqdm
+        iterator = tqdm(iterator, desc="probe replicates", leave=False)
+    for r in iterator:
+        ro = policy.rollout(prompts, Mx)  # [P * Mx] rows, the Mx samples of prompt p at p*Mx ..
+        with torch.no_grad():
+            batch = policy.score(ro)
+            for lab, est in values.items():
+                if lab in BATCH_FITTED:
+                    for M, store in fitted[lab].items():
+                        store[r] = _fitted_chunks(est, batch, P, Mx, M)
+                elif lab not in skipped:
+                    try:
+                        per_sample[lab][r] = est(batch).double().reshape(P, Mx).cpu()
+                    except ValueError as e:  # e.g. an estimator that needs inputs this probe does not give
+                        skipped[lab] = str(e)
+        del batch
+        gbatch = policy.score(_sub_rollout(ro, grad_rows))
+        live = [lab for lab in grads if lab not in skipped]
+        for i, lab in enumerate(live):
+            try:
+                loss = grads[lab](gbatch).mean()
+                g = vec(_flat_grad(loss, params, retain=i < len(live) - 1))
+            except ValueError as e:
+                skipped[lab] = str(e)
+                continue
+            t = tracks[lab]
+            t.welford.update(g)
+            t.sq.append(float(g @ g))
+            for name, ref in refs.items():
+                t.dots.setdefault(name, []).append(float(g @ ref.mean))
+            t.sketch[r] = (boot_sketch(g) if boot_sketch is not None else g).float().cpu()
+        del gbatch
+
+    W = bootstrap_weights(R, cfg.bootstrap, cfg.seed + 3)  # [B + 1, R], row 0 = the sample
+    vstats = _value_stats_all(per_sample, fitted, skipped, sizes, Mx, kl_ref, W)
+    gstats = {lab: _gradient_stats(t, refs, W, R) for lab, t in tracks.items() if lab not in skipped}
+
+    def rows_at(level: float) -> tuple[list, list]:
+        return _value_rows(vstats, level), _gradient_rows(gstats, level)
+
+    value_rows, grad_rows_out = rows_at(cfg.ci_level)
+    meta = {"prompts": P, "samples": Mx, "grad_samples": Mg, "replicates": R, "bootstrap": cfg.bootstrap,
+            "ci_level": cfg.ci_level, "seed": cfg.seed, "n_params": D,
+            "gradient_space": f"CountSketch {cfg.project_dim}" if project is not None else "exact",
+            "bootstrap_sketch": boot_sketch.k if boot_sketch is not None else "exact",
+            "value_reference": value_ref_how, "kl_reference": float(kl_ref.mean()), "kl_reference_se": kl_ref_se,
+            "references": {k: {"how": r.how, "norm": float(r.mean.norm()), "noise_trace": r.noise} for k, r in refs.items()},
+            "skipped": skipped, "time_s": time.perf_counter() - t_start, "ref_time_s": t_ref,
+            "peak_rss_mb": _peak_rss_mb()}
+    if exact is not None:
+        meta["kl_ref_pi_exact"] = exact["kl_ref_pi"]
+    if device.type == "cuda":
+        meta["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return ProbeResult(value_rows, grad_rows_out, meta, rows_at)
+
+
+def _lm_references(policy, prompts, cfg: ProbeConfig, params, vec, dim, progress):
+    """rb on pi's samples: the value reference per prompt and the kl_pi_ref gradient; on pi_ref's samples,
+    -grad log pi(y): the kl_ref_pi gradient. Each batch: every prompt, ref_samples samples."""
+    P, n = len(prompts), cfg.ref_samples
+    rb_value, rb_grad = value_estimator("rb"), gradient_estimator("rb")
+    w_pi, w_ref = Welford(dim, policy.device), Welford(dim, policy.device)
+    kl = []  # K x [P]
+    ref_sampler = policy.reference()  # samples from pi_ref, scored afterwards under pi by policy.score
+    iterator = range(cfg.ref_batches)
+    if progress:
+        from tqdm import tqdm
+        iterator = tqdm(iterator, desc="probe references", leave=False)
+    for _ in iterator:
+        batch = policy.score(policy.rollout(prompts, n))
+        kl.append(rb_value(batch).double().reshape(P, n).mean(-1).cpu())
+        w_pi.update(vec(_flat_grad(rb_grad(batch).mean(), params, retain=False)))
+        del batch
+        rbatch = policy.score(ref_sampler.rollout(prompts, n))
+        # KL(pi_ref || pi) = E_{y ~ pi_ref}[log pi_ref(y) - log pi(y)]: its gradient is -E_{y ~ pi_ref}[grad log pi(y)]
+        w_ref.update(vec(_flat_grad(-rbatch.masked_logp.sum(-1).mean(), params, retain=False)))
+        del rbatch
+    K = cfg.ref_batches
+    kl = torch.stack(kl)  # [K, P]
+    kl_se = float(kl.mean(-1).std() / math.sqrt(K)) if K > 1 else float("nan")
+    # noise of the mean of K batch gradients: tr Cov / K (unknown with K = 1: taken as 0, said in the meta)
+    refs = {name: Reference(w.mean.clone(), (w.trace_cov / K) if K > 1 else 0.0,
+                            f"{how} on {K} x {P} x {n} samples")
+            for name, w, how in (("kl_pi_ref", w_pi, "rb"), ("kl_ref_pi", w_ref, "-grad log pi, y ~ pi_ref"))}
+    return refs, kl.mean(0), kl_se
+
+
+def _fitted_chunks(est, batch: KLBatch, P: int, Mx: int, M: int) -> torch.Tensor:
+    """[P, Mx // M] estimates of a batch-fitted estimator, each fitted on M samples of one prompt."""
+    C = Mx // M
+    out = torch.empty(P, C, dtype=torch.float64)
+    for p in range(P):
+        for c in range(C):
+            rows = slice(p * Mx + c * M, p * Mx + (c + 1) * M)
+            sub = KLBatch(batch.logp[rows], batch.ref_logp[rows], batch.mask[rows])
+            out[p, c] = float(est(sub).double().mean())
+    return out
+
+
+def _value_stats_all(per_sample, fitted, skipped, sizes, Mx, kl_ref, W) -> dict:
+    """lab -> M -> the [B + 2] statistics of the M-sample estimate (see _value_stats)."""
+    chunks: dict[str, dict[int, torch.Tensor]] = {}  # lab -> M -> [R, P, C]
+    for lab, x in per_sample.items():  # x [R, P, Mx]
+        if lab in skipped:
+            continue
+        chunks[lab] = {M: x[..., : (Mx // M) * M].reshape(*x.shape[:2], Mx // M, M).mean(-1) for M in sizes}
+    for lab, by_m in fitted.items():
+        if by_m:
+            chunks[lab] = by_m
+    return {lab: {M: _value_stats(x, kl_ref, W) for M, x in by_m.items()} for lab, by_m in chunks.items()}
+
+
+def _value_rows(stats: dict, level: float) -> list[dict]:
+    """One row per (estimator, M): mean, s.e., bias, std of the M-sample estimate, its ratio to mc's."""
+    rows = []
+    for lab, by_m in stats.items():
+        for M, s in by_m.items():
+            row = {"estimator": lab, "M": M}
+            for key in ("mean", "bias", "std"):
+                _fill(row, key, s[key], level)
+            row["mean_se"] = float(s["mean"][1:-1].std())
+            base = stats.get(STD_BASELINE, {}).get(M)
+            if base is not None:
+                _fill(row, "std_ratio_mc", _ratio(s["std"], base["std"]), level)
+            else:
+                row["std_ratio_mc"] = row["std_ratio_mc_lo"] = row["std_ratio_mc_hi"] = float("nan")
+            rows.append(row)
+    return rows
+
+
+def _value_stats(x: torch.Tensor, kl_ref: torch.Tensor, W: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x [R, P, C] estimates; W [B+1, R] replicate weights. Per prompt: mean and (unbiased) std over the R*C
+    estimates; then averaged over prompts. Returns [B+2] tensors: the sample, B resamples, and the
+    bootstrap-world truth (plug-in moments of the sample)."""
+    R, P, C = x.shape
+    n = R * C
+    s1 = W @ x.sum(-1)  # [B+1, P]
+    s2 = W @ (x ** 2).sum(-1)  # [B+1, P]
+    mean = s1 / n
+    plug = (s2 / n - mean ** 2).clamp(min=0)  # [B+1, P] plug-in variance
+    var = plug * n / (n - 1) if n > 1 else torch.full_like(mean, float("nan"))
+    mean, var = torch.cat([mean, mean[:1]]), torch.cat([var, plug[:1]])  # truth row: the sample's plug-ins
+    return {"mean": mean.mean(-1), "bias": (mean - kl_ref.to(mean)).mean(-1), "std": var.sqrt().mean(-1)}
+
+
+def _gradient_rows(stats: dict[str, dict[str, torch.Tensor]], level: float) -> list[dict]:
+    rows = []
+    for lab, s in stats.items():
+        row = {"estimator": lab}
+        for key, v in s.items():
+            _fill(row, key, v, level)
+        if VAR_BASELINE in stats:
+            _fill(row, "var_ratio_seq", _ratio(s["trace_cov"], stats[VAR_BASELINE]["trace_cov"]), level)
+        else:
+            row["var_ratio_seq"] = row["var_ratio_seq_lo"] = row["var_ratio_seq_hi"] = float("nan")
+        row["mean_norm"] = math.sqrt(max(row["mean_norm_sq"], 0.0))
+        rows.append(row)
+    return rows
+
+
+def _gradient_stats(t: _GradientTrack, refs: dict[str, Reference], W: torch.Tensor, R: int) -> dict[str, torch.Tensor]:
+    """[B+2] tensors of the per-batch gradient's statistics: the sample (exact, from Welford), B resamples,
+    and the bootstrap-world truth (the resamples' population is the sample: mean g-bar, plug-in covariance,
+    no noise to remove)."""
+    sq = torch.tensor(t.sq, dtype=torch.float64)  # [R]
+    Z = t.sketch.double()  # [R, k]
+    zbar = W @ Z / R  # [B+1, k] sketch of each resample's mean
+    gbar_sq = float(t.welford.mean @ t.welford.mean)
+    mean_sq = gbar_sq + (zbar ** 2).sum(-1) - (zbar[0] ** 2).sum()  # [B+1]
+    trace = ((W @ sq) - R * mean_sq) / (R - 1)  # [B+1]
+    trace[0] = t.welford.trace_cov  # the same number, from the numerically stable recursion
+    mean_sq_deb = mean_sq - trace / R  # unbiased for ||E g||^2
+    # the truth row: ||E g||^2 = ||g-bar||^2 exactly, tr Cov = the plug-in (R-1)/R x the sample's
+    mean_sq_deb = torch.cat([mean_sq_deb, torch.tensor([gbar_sq], dtype=torch.float64)])
+    trace = torch.cat([trace, trace[:1] * (R - 1) / R])
+    out = {"trace_cov": trace, "mean_norm_sq": mean_sq_deb,
+           # power signal-to-noise ratio of the per-batch gradient, ||E g||^2 / tr Cov: unclamped (noise can make
+           # the estimate negative), so that its CI stays honest around 0
+           "snr": torch.where(trace > 0, mean_sq_deb / trace.clamp(min=1e-300), torch.full_like(trace, float("nan")))}
+    for name, ref in refs.items():
+        dot = W @ torch.tensor(t.dots[name], dtype=torch.float64) / R  # [B+1] mean . reference
+        dot[0] = float(t.welford.mean @ ref.mean)
+        dot = torch.cat([dot, dot[:1]])
+        # a sampled reference whose squared norm does not clear twice its own noise is not resolved (at pi = pi_ref
+        # the sampled grad kl_ref_pi is pure noise): no cosine or relative error against it
+        ref_sq = ref.sq_debiased if ref.sq_debiased > ref.noise else 0.0
+        denom = mean_sq_deb * ref_sq
+        out[f"cos_{name}"] = torch.where(denom > 0, dot / denom.clamp(min=1e-300).sqrt(),
+                                         torch.full_like(dot, float("nan")))
+        # ||mean - ref||^2, less the noise of both means, over ||ref||^2
+        err = (mean_sq_deb - 2 * dot + ref_sq).clamp(min=0)
+        out[f"rel_err_{name}"] = (err / ref_sq).sqrt() if ref_sq > 0 else torch.full_like(dot, float("nan"))
+    return out

@@ -1,0 +1,118 @@
+"""Resuming from a checkpoint: only a klbench checkpoint, and only under the config it was made with.
+
+A checkpoint carries the resolved config of its run (klbench.record.tracking.RecordCheckpoint). Resuming it
+under another model, teacher, reward, dataset, task, estimator or seed would continue one experiment
+as another, so it is refused with the differing keys named, unless the user lists them in
+`ckpt_allow_changes` (e.g. `ckpt_allow_changes=[task.max_steps]` to train a finished run longer).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from klbench.record.redact import redact_obj
+from klbench.record.runs import RUN_ID_FILE
+
+# what makes a run the run it is; hardware, logger and paths may change between attempts
+IDENTITY = ("task", "estimator", "kl_ctl", "model", "teacher", "reward", "dataset", "seed")
+# what a group or option was before it existed, for checkpoints made then: the value that does what
+# klbench did (beta was always fixed; one optimiser step per rollout)
+BEFORE = {"kl_ctl": {"name": "fixed"}, "task.inner_steps": 1, "task.clip_eps": 0.2,
+          # the adaptive controller before issue 18: integral part only, horizon in sequences
+          "kl_ctl.kp": 0.0, "kl_ctl.horizon_unit": "sequences"}
+
+
+# task keys that only add measurements (klbench.probe.measure at validations, on its own RNG stream): they never
+# change what a run trains, so a run may resume with them changed or added
+MEASUREMENT_ONLY = ("task.probe_every", "task.probe")
+
+
+class ResumeError(ValueError):
+    pass
+
+
+def resolve_ckpt(cfg: DictConfig) -> str | None:
+    """The checkpoint that `ckpt_path` names (`last`: this run folder's last.ckpt), or None; it must exist."""
+    if cfg.ckpt_path in (None, "null"):
+        return None
+    path = os.path.join(cfg.paths.ckpt_dir, "last.ckpt") if cfg.ckpt_path == "last" else cfg.ckpt_path
+    if not os.path.isfile(path):
+        hint = (f"the run stopped before its first checkpoint (written at every validation, every "
+                f"task.val_every={cfg.task.get('val_every')} steps): start it again without ckpt_path"
+                if cfg.ckpt_path == "last" else "check the path")
+        raise ResumeError(f"ckpt_path={cfg.ckpt_path!r}: no checkpoint at {path}; {hint}")
+    return path
+
+
+def folder_run_id(cfg: DictConfig) -> str | None:
+    """The MLflow run this run folder belongs to (its mlflow_run_id.txt), or None."""
+    path = Path(cfg.paths.ckpt_dir).parent / RUN_ID_FILE
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+def check_run(payload: dict, cfg: DictConfig, path: str) -> None:
+    """A checkpoint resumes only into the MLflow run that wrote it. Two runs that once shared a folder left
+    one's mlflow_run_id.txt beside the other's last.ckpt; continuing would splice one run into the other."""
+    mine, folder = payload.get("mlflow_run_id"), folder_run_id(cfg)
+    if cfg.logger.get("kind") == "mlflow" and mine and folder and mine != folder:
+        raise ResumeError(f"{path} was written by MLflow run {mine}, but its folder belongs to MLflow run "
+                          f"{folder} ({RUN_ID_FILE}): two runs shared this folder, so neither can be resumed "
+                          "from it. Start the run again in a folder of its own (without hydra.run.dir)")
+
+
+def finished(payload: dict, cfg: DictConfig) -> bool:
+    """The checkpoint is of a run that trained all of cfg.task.max_steps and ran its final validation."""
+    return int(payload.get("step", -1)) >= int(cfg.task.max_steps) and bool(payload.get("val_metrics"))
+
+
+def load_payload(path: str) -> dict:
+    """The klbench section of a checkpoint (config, pending metrics, step); ResumeError otherwise."""
+    import torch
+    try:
+        # weights_only: a checkpoint is data, never code. klbench's load under it; anything else is not ours
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ResumeError(f"{path} is not a klbench checkpoint: it holds Python objects that klbench never "
+                          "saves, so it is not loaded") from None
+    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResumeError(f"{path} is not a klbench checkpoint: it cannot be read as one ({first[:200]})") from None
+    if not isinstance(ckpt, dict) or "klbench" not in ckpt or "config" not in ckpt["klbench"]:
+        raise ResumeError(f"{path} is not a klbench checkpoint: it has no klbench section (config and metrics)")
+    return ckpt["klbench"]
+
+
+def config_changes(saved: dict, cfg: DictConfig) -> list[str]:
+    """Dotted keys under IDENTITY whose values differ between the checkpoint's config and this one."""
+    now = redact_obj(OmegaConf.to_container(cfg, resolve=True))  # the checkpoint holds its config redacted
+    out: list[str] = []
+
+    def walk(a, b, key: str) -> None:
+        if key in MEASUREMENT_ONLY:
+            return
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                sub = f"{key}.{k}" if key else k
+                walk(a[k] if k in a else BEFORE.get(sub), b.get(k), sub)
+        elif a != b:
+            out.append(f"{key} ({a!r} in the checkpoint, {b!r} now)")
+
+    for group in IDENTITY:
+        walk(saved[group] if group in saved else BEFORE.get(group), now.get(group), group)
+    return out
+
+
+def check_config(payload: dict, cfg: DictConfig, path: str) -> None:
+    allowed = list(cfg.get("ckpt_allow_changes") or [])
+    changes = [c for c in config_changes(payload["config"], cfg)
+               if "*" not in allowed and not any(c == a or c.startswith(a + ".") or c.startswith(a + " ")
+                                                 for a in allowed)]
+    if changes:
+        keys = ",".join(c.split(" ", 1)[0] for c in changes)
+        raise ResumeError(f"{path} was made under another config: " + "; ".join(changes)
+                          + f". Resume with the checkpoint's values, or accept the change with "
+                            f"ckpt_allow_changes=[{keys}]")

@@ -1,0 +1,238 @@
+"""Where the record lives, and opening it safely.
+
+One place resolves the outputs folder and the MLflow tracking URI for every command (runs, sweeps,
+`klbench-pareto`, `klbench-distill-report`). A SQLite store is created or checked exactly once per
+process, under an inter-process file lock next to the database: MLflow migrates a fresh database on
+first open, and parallel first opens race on that migration and can leave it half-done.
+
+No torch, Lightning or Hydra here; MLflow loads only when a store has to be created.
+
+    python -m klbench.record.store check  PATH/mlflow.db   # what state a store is in
+    python -m klbench.record.store repair PATH/mlflow.db   # finish a migration an older klbench left half-done
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+OUTPUTS_ENV = "KLBENCH_OUTPUTS"
+SQLITE = "sqlite:///"
+LOCK_TIMEOUT_S = 300  # a first migration takes seconds; a lock held longer than this is a stuck process
+_checked: set[str] = set()  # stores this process has already opened
+
+
+class StoreError(RuntimeError):
+    """The tracking store cannot be used as it is; the message names the path and what to do."""
+
+
+def outputs_dir() -> Path:
+    """$KLBENCH_OUTPUTS, else ./outputs: everything a run writes."""
+    return Path(os.environ.get(OUTPUTS_ENV) or Path.cwd() / "outputs").resolve()
+
+
+def tracking_uri(outputs: str | Path | None = None) -> str:
+    """$MLFLOW_TRACKING_URI, else the SQLite store in the outputs folder."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"{SQLITE}{Path(outputs or outputs_dir()).resolve() / 'mlflow.db'}"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len(SQLITE):]) if uri.startswith(SQLITE) else None
+
+
+def open_store(uri: str, create: bool = True) -> None:
+    """Makes sure the store at `uri` is usable before MLflow touches it: created and migrated once under
+    a file lock, or found current. Raises StoreError (path and a recovery command) otherwise.
+
+    Server stores (http://, postgresql://) are the server's business and pass through unchecked.
+    """
+    path = sqlite_path(uri)
+    if path is None or uri in _checked:
+        return
+    from filelock import FileLock, Timeout
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
+        with lock:
+            state, detail = inspect(path)
+            if state == "absent" and not create:
+                raise StoreError(f"no MLflow store at {path} (set MLFLOW_TRACKING_URI or KLBENCH_OUTPUTS, "
+                                 "or pass --tracking-uri)")
+            if state in ("absent", "empty"):
+                _create(uri, path)
+            elif state != "current":
+                raise StoreError(_advice(path, state, detail))
+    except Timeout:
+        raise StoreError(f"waited {LOCK_TIMEOUT_S} s for the lock {path}.lock: another process is creating "
+                         f"the MLflow store {path} and does not finish; if none is running, delete the lock "
+                         "file") from None
+    except OSError as e:  # read-only folder, a file where a folder should be, a full disk
+        raise StoreError(f"cannot open the MLflow store {path}: {e.strerror or e}") from e
+    _checked.add(uri)
+
+
+def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None) -> str:
+    """Opens the store (created once, under a lock) and returns the experiment's id, creating it if needed.
+    New and existing experiments alike get klbench's tags (`klbench.record.experiments.tags_to_set`): the
+    model-training kind and a description of what the experiment holds, neither over a person's choice."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from klbench.record.experiments import tags_to_set
+    open_store(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        location = None  # None: the tracking server's own artifact store
+        if artifact_root is not None:
+            os.makedirs(artifact_root, exist_ok=True)
+            location = f"file://{os.path.abspath(artifact_root)}/{name}"
+        try:
+            return client.create_experiment(name, artifact_location=location, tags=tags_to_set(name, {}))
+        except MlflowException:  # another process created it since we looked
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    for key, value in tags_to_set(name, exp.tags).items():  # an experiment from before these tags
+        client.set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
+
+
+def inspect(path: Path) -> tuple[str, str]:
+    """(state, detail), state one of absent, empty, current, old, newer, half-migrated, corrupt.
+    Read-only, with a short busy timeout, and without MLflow's retry loop."""
+    if not path.exists():
+        return "absent", ""
+    if not path.is_file():
+        raise StoreError(f"the MLflow store {path} is not a file")
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            versions = [r[0] for r in con.execute("SELECT version_num FROM alembic_version")] \
+                if "alembic_version" in tables else []
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:
+        return "corrupt", str(e)
+    if not tables:
+        return "empty", ""
+    stray = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
+    if stray or len(versions) != 1 or "runs" not in tables:
+        return "half-migrated", (f"leftover tables {stray}; " if stray else "") + f"schema versions {versions}"
+    head, known = _revisions()
+    if versions[0] == head:
+        return "current", head
+    if versions[0] in known:
+        return "old", f"schema {versions[0]}, this MLflow needs {head}"
+    return "newer", f"schema {versions[0]} is unknown to this MLflow (its newest is {head})"
+
+
+def _advice(path: Path, state: str, detail: str) -> str:
+    uri = f"{SQLITE}{path}"
+    fix = {
+        "corrupt": f"it is not a SQLite database ({detail}). Move it aside to start a new store: mv {path} {path}.corrupt",
+        "half-migrated": f"a schema migration was left half-done ({detail}): the process creating or upgrading "
+                         f"it stopped midway (older klbench versions did when several runs started at once). "
+                         f"Recover with: python -m klbench.record.store repair {path}",
+        "old": f"it was made by an older MLflow ({detail}). Back it up, then: mlflow db upgrade {uri}",
+        "newer": f"it was made by a newer MLflow ({detail}). Upgrade MLflow, or use another store",
+    }[state]
+    return f"MLflow store {path}: {fix}"
+
+
+def _revisions() -> tuple[str, set[str]]:
+    """The newest MLflow schema revision and every revision before it."""
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config
+    script = ScriptDirectory.from_config(_get_alembic_config(db_url=""))
+    (head,) = script.get_heads()
+    return head, {rev.revision for rev in script.walk_revisions()}
+
+
+def _create(uri: str, path: Path) -> None:
+    """Creating the SqlAlchemyStore runs MLflow's migration; the caller holds the lock. A creation that
+    fails midway (a full disk) is removed, so that the next attempt starts clean instead of finding a
+    store that looks half-migrated or old."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    try:
+        SqlAlchemyStore(uri, str(path.parent / "mlartifacts"))
+    except Exception as e:
+        path.unlink(missing_ok=True)  # absent or empty before: nothing of anyone's is lost
+        cause = "the disk is full" if disk_full(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        raise StoreError(f"cannot create the MLflow store {path}: {cause} "
+                         f"({shutil.disk_usage(path.parent).free // 1024} KiB free in {path.parent})") from e
+    print(f"klbench: created the MLflow store {path}", file=sys.stderr)
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """Whether a full disk is somewhere in `e`'s chain of causes (SQLAlchemy and MLflow wrap it)."""
+    while e is not None:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "database or disk is full" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def repair(path: Path) -> str:
+    """Rebuilds a half-migrated store: a fresh store of the current schema, into which every row of the
+    old one is copied (table by table, the columns both have; a table caught mid-copy by the failed
+    migration is read from its `_alembic_tmp_` twin). The original is kept as a backup. Re-running the
+    migration instead is not safe: MLflow's steps are not idempotent."""
+    state, detail = inspect(path)
+    if state != "half-migrated":
+        return f"{path} is {state}: nothing to repair"
+    backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
+    shutil.copy2(path, backup)
+    fresh = path.with_name(path.name + ".rebuilt")
+    fresh.unlink(missing_ok=True)
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    SqlAlchemyStore(f"{SQLITE}{fresh}", str(path.parent / "mlartifacts")).engine.dispose()
+    con = sqlite3.connect(fresh)
+    try:
+        con.execute("ATTACH DATABASE ? AS old", (str(backup),))
+        old = {r[0] for r in con.execute("SELECT name FROM old.sqlite_master WHERE type='table'")}
+        new = [r[0] for r in con.execute("SELECT name FROM main.sqlite_master WHERE type='table'")]
+        for table in new:
+            src = table if table in old else f"_alembic_tmp_{table}"
+            if table == "alembic_version" or src not in old:
+                continue
+            have = {r[1] for r in con.execute(f'PRAGMA old.table_info("{src}")')}
+            cols = ", ".join(f'"{r[1]}"' for r in con.execute(f'PRAGMA main.table_info("{table}")') if r[1] in have)
+            con.execute(f'INSERT OR REPLACE INTO main."{table}" ({cols}) SELECT {cols} FROM old."{src}"')
+        con.commit()
+        n_runs = con.execute("SELECT count(*) FROM main.runs").fetchone()[0]
+    finally:
+        con.close()
+    os.replace(fresh, path)
+    if inspect(path)[0] != "current":
+        raise StoreError(f"repair left {path} unusable; the original is kept at {backup}")
+    return f"repaired {path} ({detail}): {n_runs} runs kept; the original is kept at {backup}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] not in ("check", "repair"):
+        print("usage: python -m klbench.record.store check|repair PATH/mlflow.db", file=sys.stderr)
+        return 2
+    path = Path(args[1]).resolve()
+    try:
+        if args[0] == "check":
+            state, detail = inspect(path)
+            print(f"{path}: {state}" + (f" ({detail})" if detail else ""))
+            return 0 if state in ("current", "absent", "empty") else 1
+        print(repair(path))
+        return 0
+    except StoreError as e:
+        print(f"klbench.record.store: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

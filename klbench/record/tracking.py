@@ -1,0 +1,360 @@
+"""The `logger` group: MLflow (default), CSV or none; run naming, config logging, sample tables, and the
+rules that keep the MLflow record true.
+
+- A run is RUNNING while it trains, FINISHED only after its last step and final validation, FAILED
+  (error in the `klbench.error` tag) on an exception, KILLED when interrupted (Ctrl-C, SIGTERM, a
+  requeue) or, for `kill -9`, when something notices its process is gone (klbench.record.runs.reap).
+  Lightning does not set the status: its loggers finalise the run after the step-0 `validate()`.
+- Metrics wait in memory and reach MLflow when the checkpoint is written (RecordCheckpoint), so the
+  record never holds a value that a resume computes again. The pending values also travel inside the
+  checkpoint, so a crash between writing it and committing them loses nothing.
+- A resumed run continues the same MLflow run (its id is kept in the run folder), goes back to
+  RUNNING, and never logs a step twice.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from klbench.record import runs, store
+from klbench.record.redact import redact, redact_obj
+
+RETRIES_ENV = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"  # read by MLflow at every request
+CKPT_KEY = "klbench"  # the checkpoint's own section: config, pending metrics, step
+
+
+def run_name(cfg: DictConfig) -> str:
+    est = cfg.estimator
+    parts = [cfg.task.name, str(cfg.model.kind), est.name]
+    if "lam" in est:
+        parts.append(f"lam{est.lam:g}")
+    if "level" in est and est.level == "sequence":
+        parts.append("seqlevel")
+    ctl = cfg.get("kl_ctl")
+    if ctl is not None and ctl.name == "adaptive":  # beta is the controller's: name the target and signal
+        parts += [f"kltarget{ctl.target:g}", ctl.signal]
+    else:
+        parts.append(f"beta{est.beta:g}")
+    parts.append(f"seed{cfg.seed}")
+    return "-".join(parts)
+
+
+def flat_params(cfg: DictConfig) -> dict[str, str]:
+    """Resolved config flattened with '.' (estimator.name, estimator.beta, ...); MLflow caps values at 6000 chars.
+    A password in a URL (store.optuna, store.mlflow) becomes *** (klbench.record.redact)."""
+    out: dict[str, str] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = redact(str(node))[:6000]
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+class RecordLogger(Logger):
+    """One MLflow run, written only at commits (see the module docstring). Rank zero holds the client;
+    other DDP ranks get a logger with none, whose methods do nothing."""
+
+    def __init__(self, client=None, run_id: str | None = None, experiment: str = "", logged_upto=None):
+        super().__init__()
+        self.client, self.run_id, self._experiment = client, run_id, experiment
+        self.pending: list[list] = []  # [key, value, timestamp ms, step]: JSON-like, for the checkpoint
+        # per metric, the last step already in the store (a resumed run): never logged again
+        self.logged_upto: dict[str, int] = dict(logged_upto or {})
+
+    @property
+    def name(self) -> str:
+        return self._experiment
+
+    @property
+    def version(self) -> str | None:
+        return self.run_id
+
+    @property
+    def experiment(self):
+        return self.client
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass  # build_logger logs the whole resolved config once, when it creates the run
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step: int | None = None) -> None:
+        now, step = int(time.time() * 1000), int(step or 0)
+        for key, value in metrics.items():
+            if step > self.logged_upto.get(key, -1):
+                self.pending.append([key, float(value), now, step])
+
+    def restore(self, pending: list[list]) -> None:
+        """Values a checkpoint carried: committed with the next commit unless already in the store."""
+        if self.client is not None:
+            self.pending = [m for m in pending if m[3] > self.logged_upto.get(m[0], -1)] + self.pending
+
+    @rank_zero_only
+    def commit(self, steps_done: int | None = None) -> None:
+        from mlflow.entities import Metric
+        if self.client is None:
+            return
+        batch = [Metric(k, v, t, s) for k, v, t, s in self.pending]
+        for i in range(0, len(batch), 1000):  # MLflow's log_batch limit
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+        for k, _, _, s in self.pending:
+            self.logged_upto[k] = max(s, self.logged_upto.get(k, -1))
+        self.pending = []
+        if steps_done is not None:
+            runs.progress(self.client, self.run_id, steps_done)
+
+    @rank_zero_only
+    def end(self, status: str, error: str | None = None) -> None:
+        if self.client is None:
+            return
+        if error:
+            self.client.set_tag(self.run_id, runs.ERROR if status == "FAILED" else runs.ENDED, redact(error)[:5000])
+        self.client.set_terminated(self.run_id, status)
+
+    def finalize(self, status: str) -> None:
+        pass  # Lightning calls this after every validate() and fit(): the run's end is train.run's to say
+
+    def after_save_checkpoint(self, checkpoint_callback) -> None:
+        pass  # RecordCheckpoint commits, once the file is in place
+
+
+def _last_steps(client, run_id: str) -> dict[str, int]:
+    keys = client.get_run(run_id).data.metrics
+    return {k: max(m.step for m in client.get_metric_history(run_id, k)) for k in keys}
+
+
+def build_logger(cfg: DictConfig, resume: bool = False):
+    lg = cfg.logger
+    run_dir = os.path.dirname(cfg.paths.ckpt_dir)
+    if lg.kind == "none":
+        return False
+    if lg.kind == "csv":
+        return CSVLogger(save_dir=run_dir, name="csv", version="")
+    if lg.kind != "mlflow":
+        raise ValueError(f"logger.kind must be mlflow, csv or none; got {lg.kind!r}")
+    if rank_zero_only.rank != 0:  # DDP: only rank zero writes the record
+        return RecordLogger(experiment=lg.experiment)
+    import mlflow
+    exp_id = store.ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
+    client = mlflow.MlflowClient(lg.tracking_uri)
+    runs.reap(client, [exp_id], noticed_by=f"a run starting (pid {os.getpid()})")
+    id_file = os.path.join(run_dir, runs.RUN_ID_FILE)
+    tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.get("max_steps", 1))}  # task=probe: one step
+    if resume and os.path.isfile(id_file):
+        run_id = open(id_file).read().strip()
+        try:
+            old_tags = client.get_run(run_id).data.tags
+        except mlflow.exceptions.MlflowException as e:
+            raise ValueError(f"{id_file} names MLflow run {run_id}, which is not in {redact(lg.tracking_uri)}") from e
+        for k, v in tags.items():
+            client.set_tag(run_id, k, v)
+        for stale in (runs.ENDED, runs.ERROR):  # how the last attempt ended; this one starts afresh
+            if stale in old_tags:
+                client.delete_tag(run_id, stale)
+        client.update_run(run_id, status="RUNNING")
+        return RecordLogger(client, run_id, lg.experiment, _last_steps(client, run_id))
+    tags.update({"klbench.task": cfg.task.name, "klbench.estimator": cfg.estimator.name, runs.STEPS_DONE: "0"})
+    if lg.get("parent_run_id"):
+        tags["mlflow.parentRunId"] = lg.parent_run_id
+    run_id = client.create_run(exp_id, run_name=lg.run_name or run_name(cfg), tags=tags).info.run_id
+    os.makedirs(run_dir, exist_ok=True)
+    with open(id_file, "w") as f:
+        f.write(run_id)
+    from mlflow.entities import Param
+    params = [Param(k, v) for k, v in flat_params(cfg).items()]
+    for i in range(0, len(params), 100):  # MLflow's log_batch limit for params
+        client.log_batch(run_id, params=params[i:i + 100])
+    client.log_text(run_id, redact(OmegaConf.to_yaml(cfg, resolve=True)), "config.yaml")
+    return RecordLogger(client, run_id, lg.experiment)
+
+
+def _folder_run(cfg: DictConfig):
+    """(client, run) of the MLflow run this run folder belongs to, or None (no id file, another logger)."""
+    from klbench.record.resume import folder_run_id
+    if cfg.logger.get("kind") != "mlflow" or not (run_id := folder_run_id(cfg)):
+        return None
+    import mlflow
+    client = mlflow.MlflowClient(cfg.logger.tracking_uri)
+    return client, client.get_run(run_id)
+
+
+def run_finished(cfg: DictConfig) -> bool:
+    """Whether this run folder's record says FINISHED; with no MLflow record, the checkpoint alone decides."""
+    from mlflow.exceptions import MlflowException
+    try:
+        found = _folder_run(cfg)
+    except MlflowException:  # the folder names a run this store lacks: build_logger says so
+        return False
+    return found is None or found[1].info.status == "FINISHED"
+
+
+def settle_folder_run(cfg: DictConfig, why: str) -> None:
+    """A resume that is refused leaves no run RUNNING behind it: the folder's MLflow run, if its process
+    is gone, is marked KILLED now (instead of by the next fresh start). Never masks the refusal."""
+    try:
+        found = _folder_run(cfg)
+        if found is None:
+            return
+        client, run = found
+        if run.info.status == "RUNNING" and runs.owner_alive(run.data.tags) is False:
+            client.set_tag(run.info.run_id, runs.ENDED, why[:5000])
+            client.set_terminated(run.info.run_id, "KILLED")
+    except Exception as e:  # the refusal is what the user must see
+        logging.getLogger(__name__).warning("could not settle this folder's MLflow run: %s", e)
+
+
+@contextmanager
+def recorded(logger):
+    """Ends the MLflow run FAILED (error tagged) on an exception, KILLED on an interrupt, and re-raises.
+    Metrics computed before a failure are committed: they show how the run failed."""
+    if not isinstance(logger, RecordLogger):
+        yield
+        return
+    try:
+        yield
+    except Exception as e:
+        if logger.client is not None and (why := store_failure(e, logger.client.tracking_uri)):
+            # one quick try to say FAILED: another round of MLflow's minutes of retries helps nobody
+            marked = _end_quietly(logger, "FAILED", why, commit=False, retries=0, say=False)
+            raise RecordUnavailable(why, logger.run_id, marked) from e
+        _end_quietly(logger, "FAILED", f"{type(e).__name__}: {e}", commit=True)
+        raise
+    except BaseException as e:  # KeyboardInterrupt, SystemExit (SIGTERM, a requeue): it may resume
+        _end_quietly(logger, "KILLED", f"interrupted: {type(e).__name__} {e}".strip(), commit=False)
+        raise
+
+
+class RecordUnavailable(RuntimeError):
+    """The store stopped taking the run's record (its server does not answer, its disk is full).
+    The CLI says so in one line, with whether the run is marked FAILED and the command that resumes it."""
+
+    def __init__(self, why: str, run_id: str, marked: bool):
+        super().__init__(why)
+        self.why, self.run_id, self.marked = why, run_id, marked
+
+
+def store_failure(e: BaseException, tracking_uri: str) -> str | None:
+    """What made the record unwritable, in words; None when `e` is another failure. Looks down the chain
+    of causes: MLflow wraps the connection error, SQLAlchemy the SQLite one."""
+    from klbench.console.messages import display_uri
+    seen: BaseException | None = e
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:  # a checkpoint, an artifact
+            where = seen.filename2 or seen.filename or "the run folder"
+            return f"the disk is full (writing {where}; {_free(where)})"
+        if "database or disk is full" in text:  # SQLite, wrapped by SQLAlchemy and MLflow
+            where = store.sqlite_path(tracking_uri) or "the store"
+            return f"the disk is full (writing {where}; {_free(where)})"
+        if "API request to" in text and ("Max retries exceeded" in text or "onnection" in text):
+            return f"the MLflow server {display_uri(tracking_uri)} does not answer"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _free(path) -> str:
+    for p in (path, *Path(path).parents):
+        if os.path.exists(p):
+            return f"{shutil.disk_usage(p).free // 1024} KiB free there"
+    return "free space unknown"
+
+
+def _end_quietly(logger: RecordLogger, status: str, why: str, commit: bool, retries: int | None = None,
+                 say: bool = True) -> bool:
+    """Ends the run with `status`; False (and, if `say`, one line, no traceback) when the store refuses."""
+    old = os.environ.get(RETRIES_ENV)
+    if retries is not None:
+        os.environ[RETRIES_ENV] = str(retries)
+    # MLflow logs each failed database write with its traceback; the caller says it in one line instead
+    mlflow_db_log = logging.getLogger("mlflow.store.db.utils")
+    mlflow_db_log.disabled = not say
+    try:
+        if commit:
+            logger.commit()
+        logger.end(status, why)
+        return True
+    except Exception as e:  # the store itself may be what failed; the original error matters more
+        if say:
+            logging.getLogger(__name__).error("could not mark MLflow run %s %s: %s", logger.run_id, status,
+                                              str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+        return False
+    finally:
+        mlflow_db_log.disabled = False
+        if retries is not None and old is None:
+            del os.environ[RETRIES_ENV]
+        elif retries is not None:
+            os.environ[RETRIES_ENV] = old
+
+
+class RecordCheckpoint(Callback):
+    """Writes <ckpt_dir>/last.ckpt after every validation of a fit, atomically (a kill mid-write leaves
+    the previous checkpoint whole), with the run's config (passwords in URLs as ***) and pending metrics;
+    then commits them."""
+
+    def __init__(self, ckpt_dir: str, config: dict):
+        self.path = os.path.join(ckpt_dir, "last.ckpt")
+        self.config = redact_obj(config)
+
+    @staticmethod
+    def of(trainer) -> "RecordCheckpoint":
+        return next(c for c in trainer.callbacks if isinstance(c, RecordCheckpoint))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self.save(trainer)
+
+    def save(self, trainer) -> None:
+        """Also called by train.run after a final validation outside fit (max_steps not a multiple of
+        val_every), so that a finished run's last.ckpt is at its last step and says it finished."""
+        tmp = self.path + ".tmp"
+        trainer.save_checkpoint(tmp, weights_only=False)
+        if trainer.is_global_zero:
+            os.replace(tmp, self.path)
+        trainer.strategy.barrier()
+        if isinstance(trainer.logger, RecordLogger):
+            trainer.logger.commit(trainer.global_step)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        record = trainer.logger if isinstance(trainer.logger, RecordLogger) else None
+        checkpoint[CKPT_KEY] = {
+            "config": self.config, "pending_metrics": list(record.pending) if record else [],
+            "step": trainer.global_step,
+            # the run this checkpoint continues: a resume into any other MLflow run is refused (klbench.record.resume)
+            "mlflow_run_id": record.run_id if record else None,
+            # the validation just made: a resume of a finished run answers with it instead of training
+            "val_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
+
+
+def log_samples(logger, tables: list[tuple[int, list[dict]]], cfg: DictConfig) -> None:
+    """One table of sample texts (prompt, response, reward, seq KL) per validation, with its step."""
+    rows = [{"step": step, **row} for step, table in tables for row in table]
+    if not rows:
+        return
+    columns = {k: [r[k] for r in rows] for k in rows[0]}
+    if isinstance(logger, RecordLogger):
+        if logger.client is not None:
+            logger.client.log_table(logger.run_id, data=columns, artifact_file="samples.json")
+    else:
+        import csv
+        path = os.path.join(os.path.dirname(cfg.paths.ckpt_dir), "samples.csv")
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)

@@ -1,0 +1,226 @@
+"""Build a run from a composed config and train it. Hydra-free: takes an OmegaConf config."""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+import socket
+import time
+import warnings
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from klbench.tasks import lean
+
+with lean.lightning():  # without torchmetrics' transformers, scipy and matplotlib (klbench/tasks/lean.py)
+    import lightning.pytorch as pl
+from lightning.pytorch.plugins.environments import LSFEnvironment, SLURMEnvironment, TorchElasticEnvironment
+
+from klbench.console import messages as console, progress
+
+from klbench.record import resume, tracking
+from klbench.models.policies import build_policy
+from klbench.models.rewards import build_reward
+from klbench.config.schema import validate
+from klbench.tasks import build_task
+
+log = logging.getLogger(__name__)
+# LMPolicy keeps its models in eval mode on purpose (no dropout: see policies.py); Lightning's notice about it
+# would only alarm users at every run
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Stop bad input before anything is built or trained, naming the config field: the typed schema
+    (klbench.config.schema, also run by the CLI before torch is imported), then what needs torch to tell."""
+    validate(cfg)
+    if cfg.task.name == "pretrain":
+        return
+    hw = cfg.hardware
+    if hw.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"hardware.accelerator={hw.accelerator} but no CUDA GPU is visible; use hardware=cpu")
+    if str(hw.precision).startswith("bf16") and hw.accelerator in ("gpu", "cuda") and not torch.cuda.is_bf16_supported():
+        raise ValueError("hardware.precision=bf16 but this GPU does not support bfloat16")
+
+
+_ddp_store = None  # the store of local_ddp_store, alive until the process exits (or the next run's replaces it)
+
+
+def local_ddp_store(cfg: DictConfig) -> None:
+    """hardware=ddp on this machine alone (no SLURM, torchrun or LSF): the rendezvous store of the
+    ranks listens on 127.0.0.1 only.
+
+    torch's TCPStore server (rank 0's) binds the wildcard address, :: or 0.0.0.0, whatever MASTER_ADDR says:
+    the address only tells clients where to connect (torch 2.13, both the libuv and the legacy backend). So
+    klbench binds the socket to 127.0.0.1 itself, serves a TCPStore on it (master_listen_fd), and has every
+    rank, rank 0 included, connect as a client: TORCHELASTIC_USE_AGENT_STORE=True is torch's switch for a
+    store hosted by someone else (torch.distributed.rendezvous._create_c10d_store). The ranks Lightning
+    starts inherit the environment. A MASTER_ADDR that is not loopback is the user's choice and kept.
+    NCCL (GPUs) picks its own interface for its bootstrap: NCCL_SOCKET_IFNAME=lo keeps it on loopback.
+    """
+    global _ddp_store
+    hw = cfg.hardware
+    one_device = hw.devices == 1 or (OmegaConf.is_list(hw.devices) and len(hw.devices) == 1)
+    ddp = "ddp" in str(hw.strategy) or (hw.strategy == "auto" and not one_device)  # auto: ddp on 2+ devices
+    if not ddp or hw.num_nodes != 1 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return  # no process group, several nodes, or a rank Lightning started (the store is its parent's)
+    if any(env.detect() for env in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment)):
+        return  # ranks and rendezvous come from the cluster (docs/scale-out.md)
+    if not _loopback(os.environ.get("MASTER_ADDR", "127.0.0.1")):
+        return
+    _ddp_store = None  # a previous run's, in this process: its port may be the one MASTER_PORT names
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", int(os.environ.get("MASTER_PORT", "0"))))  # 0: a free port
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    # the store's libuv server owns the socket from here on (it closes it)
+    _ddp_store = torch.distributed.TCPStore("127.0.0.1", port, None, True, master_listen_fd=sock.detach(),
+                                            wait_for_workers=False, use_libuv=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    # gloo (CPU) listens on the address of the host's name unless told an interface: loopback here too
+    loopback = [name for _, name in socket.if_nameindex() if name in ("lo", "lo0")]
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback[0])
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+
+
+def build_data(cfg: DictConfig, fixed_prompt: str | None = None, policy=None) -> pl.LightningDataModule:
+    """The `dataset` group's prompts, or for a policy that ignores prompts (Policy.fixed_prompt) its one prompt.
+    With `policy`, the prompts are checked against its context before anything is trained."""
+    from klbench.models.data import PromptData, check_prompt_lengths, load_prompts
+    t = cfg.task
+    if (prompt := fixed_prompt) is not None:  # the data only sets the batch shape
+        # many batches per epoch, so every DDP process gets full batches after the sampler splits them
+        return PromptData([prompt] * t.prompts_per_step * 64, [prompt] * t.val_prompts,
+                          t.prompts_per_step, t.val_prompts, cfg.seed)
+    train, val = load_prompts(cfg.dataset)
+    if policy is not None:
+        check_prompt_lengths(cfg.dataset, policy, train, val[:t.val_prompts])
+    return PromptData(train, val, t.prompts_per_step, t.val_prompts, cfg.seed)
+
+
+def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl.Trainer:
+    hw = cfg.hardware
+    # last.ckpt after every validation, with the config and the metrics it makes durable
+    ckpt = tracking.RecordCheckpoint(cfg.paths.ckpt_dir, OmegaConf.to_container(cfg, resolve=True))
+    # on a terminal, the step bar; redirected output (a sweep trial's log) gets none
+    bar = [progress.StepProgressBar()] if progress.wanted() else []
+    plugins = []
+    if SLURMEnvironment.detect():
+        # ranks come from SLURM (srun tasks), but requeueing is submitit's: Lightning's own auto-requeue
+        # would answer a signal with a second `scontrol requeue` and an hpc checkpoint nobody resumes
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, strategy=hw.strategy, precision=hw.precision,
+                      num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
+                      check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt, *bar], enable_checkpointing=False,
+                      enable_progress_bar=bool(bar),
+                      gradient_clip_val=cfg.task.get("grad_clip"), log_every_n_steps=1,
+                      num_sanity_val_steps=0, enable_model_summary=False, deterministic=False)
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train one run; returns the final validation metrics."""
+    console.setup()
+    check_config(cfg)
+    os.makedirs(cfg.paths.outputs, exist_ok=True)
+    if cfg.task.name == "pretrain":
+        from klbench.tasks.pretrain import run_task
+        return run_task(cfg)
+    if cfg.task.name == "probe":  # measures estimators on a policy/reference pair: no Trainer
+        from klbench.tasks.probe import run_task
+        return run_task(cfg)
+    ckpt_path, payload = _resume_from(cfg)
+    if payload is not None and resume.finished(payload, cfg) and tracking.run_finished(cfg):
+        return _already_finished(cfg, payload, ckpt_path)
+    if payload is not None:
+        log.info("resuming from step %s of %s", payload.get("step"), ckpt_path)
+    pl.seed_everything(cfg.seed, workers=True)
+    local_ddp_store(cfg)
+    t0 = time.time()
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"))
+    reward = build_reward(cfg.reward, policy)
+    module = build_task(cfg, policy, reward)
+    data = build_data(cfg, policy.fixed_prompt, policy)
+    logger = tracking.build_logger(cfg, resume=ckpt_path is not None)
+    if payload is not None and isinstance(logger, tracking.RecordLogger):
+        logger.restore(payload["pending_metrics"])
+    trainer = build_trainer(cfg, logger, cfg.task.max_steps, cfg.task.val_every)
+    with tracking.recorded(logger):
+        before = None
+        if ckpt_path is None:
+            trainer.validate(module, datamodule=data, verbose=False)
+            before = _val_metrics(trainer.callback_metrics)
+            _commit(logger, 0)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        # a validation at the last step, unless fit's own schedule made one (a resume at max_steps made none)
+        if trainer.global_step % cfg.task.val_every != 0 or not _val_metrics(trainer.callback_metrics):
+            trainer.validate(module, datamodule=data, verbose=False)
+            tracking.RecordCheckpoint.of(trainer).save(trainer)
+        after = _val_metrics(trainer.callback_metrics)
+        _commit(logger, trainer.global_step)
+        if trainer.is_global_zero:
+            tracking.log_samples(logger, module.sample_tables, cfg)
+            _print_summary(before, after, trainer.global_step, time.time() - t0)
+            console.print_run_where(cfg, logger)
+        for key in ("val/reward", "val/seq_kl"):
+            if not math.isfinite(after.get(key, float("nan"))):
+                raise FloatingPointError(f"{key} is {after.get(key)} after training: this run is not usable")
+        if trainer.global_step < cfg.task.max_steps:
+            raise RuntimeError(f"training stopped at step {trainer.global_step} of {cfg.task.max_steps}")
+        if isinstance(logger, tracking.RecordLogger):
+            logger.end("FINISHED")
+    return after
+
+
+def _resume_from(cfg: DictConfig) -> tuple[str | None, dict | None]:
+    """The checkpoint to resume and its klbench section, checked before anything is built or logged:
+    it exists, it is klbench's, it was made under this config and by this folder's MLflow run.
+    A refused resume settles the run it meant to continue (KILLED, if its process is gone)."""
+    try:
+        ckpt_path = resume.resolve_ckpt(cfg)
+        if ckpt_path is None:
+            return None, None
+        payload = resume.load_payload(ckpt_path)
+        resume.check_config(payload, cfg, ckpt_path)
+        resume.check_run(payload, cfg, ckpt_path)
+    except resume.ResumeError as e:
+        tracking.settle_folder_run(cfg, f"resume refused: {e}")
+        raise
+    return ckpt_path, payload
+
+
+def _already_finished(cfg: DictConfig, payload: dict, ckpt_path: str) -> dict[str, float]:
+    """Resuming a run that finished changes nothing: its record stays FINISHED, and its final validation
+    is the answer (a sweep trial re-run after it finished gets its result without training)."""
+    step = payload["step"]
+    print(f"klbench: this run already finished: {ckpt_path} is at step {step} of task.max_steps={cfg.task.max_steps}, "
+          "and its record is left as it is. To train it further, raise task.max_steps and add "
+          "ckpt_allow_changes=[task.max_steps]")
+    return dict(payload["val_metrics"])
+
+
+def _commit(logger, step: int) -> None:
+    if isinstance(logger, tracking.RecordLogger):
+        logger.commit(step)
+
+
+def _val_metrics(metrics) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if k.startswith("val/")}
+
+
+def _print_summary(before: dict | None, after: dict, step: int, seconds: float) -> None:
+    keys = sorted(after)
+    print(f"\nklbench: {step} steps in {seconds:.0f} s")
+    print(f"{'metric':<22} {'before (step 0)':>16} {'after (step ' + str(step) + ')':>18}")
+    for k in keys:
+        b = f"{before[k]:.4f}" if before and k in before else "-"
+        print(f"{k:<22} {b:>16} {after[k]:>18.4f}")
