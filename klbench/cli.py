@@ -16,22 +16,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from klbench.record import rundir, store
-from klbench.models.embedded.cache import cache_dir
+from klbench.config.resolvers import ROOT, register
+from klbench.record import store
 
-ROOT = Path(__file__).resolve().parent.parent
-# conf/config.yaml puts ${klbench_root:}/sweeps on Hydra's search path wherever klbench is run from
-OmegaConf.register_resolver("klbench_root", lambda: str(ROOT), replace=True)
-# the sweep group's options, for `klbench --help` (conf/config.yaml, hydra.help.template)
-OmegaConf.register_resolver("klbench_sweeps", lambda: ", ".join(sorted(p.stem for p in (ROOT / "sweeps" / "sweep")
-                                                                      .glob("*.yaml"))), replace=True)
-# one place (klbench.record.store) decides where the record lives, for runs, sweeps and klbench-pareto alike
-OmegaConf.register_resolver("klbench_outputs", lambda: str(store.outputs_dir()), replace=True)
-OmegaConf.register_resolver("klbench_tracking_uri", store.tracking_uri, replace=True)
-# run and sweep folders that no other process shares (klbench/record/rundir.py); cached, like Hydra's `now`
-OmegaConf.register_resolver("klbench_claim", rundir.claim, use_cache=True, replace=True)
-# the per-user cache of embedded models (klbench.models.embedded.cache), shared by every outputs folder
-OmegaConf.register_resolver("klbench_cache", lambda: str(cache_dir()), replace=True)
+register()  # the klbench_* resolvers conf/ uses (klbench/config/resolvers.py)
 
 
 @hydra.main(config_path=str(ROOT / "conf"), config_name="config",

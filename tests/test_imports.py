@@ -98,8 +98,10 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_reader_sees_imports_and_circles():
     graph = import_graph(include_functions=True)
-    assert "klbench.models.embedded.cache" in graph["klbench.cli"]  # a module-level `from klbench.x.y import z`
-    assert "klbench.models.embedded" in graph["klbench.cli"]  # ... which sets up klbench/models/embedded/__init__.py first
+    static = import_graph(include_functions=False)
+    assert "klbench.config.resolvers" in static["klbench.cli"]  # a module-level `from klbench.x.y import z`
+    assert "klbench.config" in static["klbench.cli"]  # ... which sets up klbench/config/__init__.py first
+    assert "klbench.models.embedded" in graph["klbench.config.resolvers"]  # ... and klbench/models/embedded/ too
     assert "klbench.models.embedded.pretrain" in graph["klbench.models.embedded.cache"]  # a function-level import
     assert "klbench.models.embedded.pretrain" not in import_graph(include_functions=False)["klbench.models.embedded.cache"]
     assert "klbench.models.embedded" not in graph["klbench.models.embedded.cache"]  # its own package is not an edge
@@ -144,3 +146,46 @@ def test_the_tabular_model_is_known_in_one_place():
                                                                   if isinstance(node, ast.ImportFrom)]
             leaks += [f"{module}:{node.lineno} {n}" for n in names if n in ("TabularPolicy", "TabularModel")]
     assert not leaks, leaks
+
+
+# The layers of the README's code-layout table, as a rule: what each folder of klbench/ may import from
+# the others (function-level imports included). Lower layers never reach up: the math imports nothing of
+# the record, the tasks or the config; the record never imports the tasks; only the edges (config, sweep,
+# cli) see everything they wire. `klbench.config.errors` is the one shared name of a bad config value.
+LAYERS = {
+    "estimators": set(),
+    "exact": {"estimators"},
+    "record": set(),
+    "console": {"record"},
+    "models": {"estimators", "exact", "console"},
+    "probe": {"estimators", "exact", "models", "console"},
+    "analysis": {"exact", "record", "console"},
+    "tasks": {"estimators", "exact", "models", "probe", "record", "console", "config"},
+    "config": {"models", "record"},
+    "sweep": {"estimators", "exact", "models", "record", "console", "analysis", "config", "tasks"},
+    "cli": set(LAYERS_ALL := ("estimators", "exact", "record", "console", "models", "probe", "analysis", "tasks",
+                              "config", "sweep")),
+}
+SHARED = {"klbench.config.errors"}
+
+
+def test_every_module_lives_in_a_layer():
+    """No module outside the layers: each is in a folder of LAYERS (or is the entry point)."""
+    outside = sorted(m for m in module_names() if m != "klbench" and m.split(".")[1] not in LAYERS)
+    assert not outside, f"modules outside every layer of the README's code layout: {outside}"
+
+
+def test_layers_import_only_downwards():
+    graph = import_graph(include_functions=True)
+    wrong = []
+    for module, targets in graph.items():
+        if module == "klbench":
+            continue
+        layer = module.split(".")[1]
+        for target in targets:
+            if target == "klbench" or target in SHARED or not target.startswith("klbench."):
+                continue
+            other = target.split(".")[1]
+            if other != layer and other not in LAYERS.get(layer, set()):
+                wrong.append(f"{module} -> {target} ({layer} may import {sorted(LAYERS.get(layer, ()))})")
+    assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))

@@ -13,7 +13,7 @@ from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from klbench.cli import ROOT  # importing the CLI registers the klbench_* resolvers that conf/ uses
+from klbench.config.resolvers import ROOT, register
 
 
 def compose(overrides=(), outputs: str | Path | None = None, run_dir: str | Path | None = None,
@@ -28,6 +28,7 @@ def compose(overrides=(), outputs: str | Path | None = None, run_dir: str | Path
     hydra: keep the `hydra` node and make it the current HydraConfig, as a run does, so that
         ${hydra:...} interpolations and the sweeper and launcher settings can be read.
     """
+    register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="klbench"):
         cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
     if run_dir is None and outputs is not None:

@@ -252,7 +252,6 @@ class RecordUnavailable(RuntimeError):
 def store_failure(e: BaseException, tracking_uri: str) -> str | None:
     """What made the record unwritable, in words; None when `e` is another failure. Looks down the chain
     of causes: MLflow wraps the connection error, SQLAlchemy the SQLite one."""
-    from klbench.console.messages import display_uri
     seen: BaseException | None = e
     while seen is not None:
         text = str(seen)
@@ -263,7 +262,7 @@ def store_failure(e: BaseException, tracking_uri: str) -> str | None:
             where = store.sqlite_path(tracking_uri) or "the store"
             return f"the disk is full (writing {where}; {_free(where)})"
         if "API request to" in text and ("Max retries exceeded" in text or "onnection" in text):
-            return f"the MLflow server {display_uri(tracking_uri)} does not answer"
+            return f"the MLflow server {redact(tracking_uri)} does not answer"
         seen = seen.__cause__ or seen.__context__
     return None
 
