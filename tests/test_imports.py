@@ -162,9 +162,9 @@ LAYERS = {
     "analysis": {"exact", "record", "console"},
     "tasks": {"estimators", "exact", "models", "probe", "record", "console", "config"},
     "config": {"models", "record"},
+    "libraries": {"estimators", "exact", "record", "analysis", "console"},
     "sweep": {"estimators", "exact", "models", "record", "console", "analysis", "config", "tasks"},
-    "cli": set(LAYERS_ALL := ("estimators", "exact", "record", "console", "models", "probe", "analysis", "tasks",
-                              "config", "sweep")),
+    "cli": {"estimators", "exact", "record", "console", "models", "probe", "analysis", "tasks", "config", "sweep"},
 }
 SHARED = {"klbench.config.errors"}
 

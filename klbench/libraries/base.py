@@ -1,0 +1,127 @@
+"""What every library adapter provides: a Setting (a per-sequence loss built on the library's own code),
+the version check, source locations, and a recorder of clamps that changed values during a call."""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from klbench.estimators import KLBatch
+
+LossFn = Callable[[KLBatch], torch.Tensor]
+
+
+class LibraryMissing(RuntimeError):
+    """The library is absent, of another version, or cannot be imported here; str() is the one-line reason."""
+
+
+@dataclass
+class Setting:
+    name: str  # e.g. "trl.grpo.sequence_is"
+    loss: LossFn  # KLBatch -> [B] per-sequence loss; its gradient is what the library's optimiser sees
+    source: str  # "path/in/package.py:line" of the library code that runs
+    aggregation: str  # how the per-sequence loss is formed from the library's per-token output
+    note: str = ""
+
+
+@dataclass
+class Library:
+    name: str  # distribution name on PyPI
+    version: str  # the pinned, supported version
+    settings: dict[str, Setting] = field(default_factory=dict)
+
+    @property
+    def pip_line(self) -> str:
+        return f"pip install --no-deps {self.name}=={self.version}  (or: bash scripts/install_libraries.sh)"
+
+
+def require(dist: str, supported: str) -> str:
+    """The installed version of `dist`, or LibraryMissing naming what was found, what is supported, the pip line."""
+    pip = f"pip install --no-deps {dist}=={supported}  (or: bash scripts/install_libraries.sh)"
+    try:
+        found = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise LibraryMissing(f"{dist}: not installed; supported {supported}; {pip}") from None
+    if found != supported:
+        raise LibraryMissing(f"{dist}: found {found}, supported {supported}; {pip}")
+    return found
+
+
+def source_of(obj, package_root: str | None = None) -> str:
+    """'pkg/relative/file.py:line' where a function, method or class of an installed library is defined."""
+    obj = inspect.unwrap(obj)
+    path = inspect.getsourcefile(obj)
+    line = inspect.getsourcelines(obj)[1]
+    return f"{_relative(path)}:{line}"
+
+
+def _relative(path: str) -> str:
+    parts = path.split(os.sep)
+    if "site-packages" in parts:  # keep the package-relative path: the same on every machine
+        parts = parts[len(parts) - parts[::-1].index("site-packages"):]
+    return "/".join(parts)
+
+
+class ClampRecorder:
+    """Patches torch.clamp and Tensor.clamp while active and records, as 'file:line', each call made from a
+    library file that changed at least one value. Clamps in klbench's own code are not recorded."""
+
+    def __init__(self) -> None:
+        self.fired: set[str] = set()
+
+    @contextlib.contextmanager
+    def active(self):
+        orig_fn, orig_method = torch.clamp, torch.Tensor.clamp
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # klbench/
+
+        def record(inp, out):
+            caller = inspect.currentframe().f_back.f_back
+            fname = caller.f_code.co_filename
+            if fname.startswith(here) or not isinstance(inp, torch.Tensor):
+                return
+            with torch.no_grad():
+                changed = bool((out.detach() != inp.detach()).any())
+            if changed:
+                self.fired.add(f"{_relative(fname)}:{caller.f_lineno}")
+
+        def clamp_fn(inp, *a, **k):
+            out = orig_fn(inp, *a, **k)
+            record(inp, out)
+            return out
+
+        def clamp_method(self_, *a, **k):
+            out = orig_method(self_, *a, **k)
+            record(self_, out)
+            return out
+
+        torch.clamp, torch.Tensor.clamp = clamp_fn, clamp_method
+        try:
+            yield self
+        finally:
+            torch.clamp, torch.Tensor.clamp = orig_fn, orig_method
+
+
+def token_sum(per_token: torch.Tensor, batch: KLBatch) -> torch.Tensor:
+    """[B] masked sum over tokens of a per-token library output [B, T] (padding never reaches the sum)."""
+    return torch.where(batch.mask, per_token, torch.zeros((), dtype=per_token.dtype)).sum(-1)
+
+
+def old_or_current(batch: KLBatch) -> torch.Tensor:
+    """[B, T] the behaviour policy's log-probs (the current ones, detached, when on-policy), padding zeroed."""
+    old = batch.logp.detach() if batch.old_logp is None else batch.old_logp
+    return torch.where(batch.mask, old, torch.zeros((), dtype=old.dtype))
+
+
+def reward_to_go_surrogate(kl: torch.Tensor, batch: KLBatch) -> torch.Tensor:
+    """[B] klbench's policy-gradient surrogate for a token-level KL cost in the reward: REINFORCE with
+    return-to-go (gamma = lambda = 1, no critic, no PPO clip), sum_t w_t * sg(sum_{s>=t} kl_s), with the
+    per-token ratio w_t = exp(logp_t - old_t) (1 in value on-policy). kl: [B, T] the library's values."""
+    zero = torch.zeros((), dtype=batch.logp.dtype)
+    kl = torch.where(batch.mask, kl.to(batch.logp.dtype), zero).detach()
+    to_go = kl.flip(-1).cumsum(-1).flip(-1)  # [B, T]
+    return torch.where(batch.mask, torch.exp(batch.log_w) * to_go, zero).sum(-1)

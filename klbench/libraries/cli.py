@@ -1,0 +1,75 @@
+"""klbench-audit: which expected gradient does each installed RL library's own KL code follow?
+
+  klbench-audit --all                 every setting of every pinned library (absent ones: skipped, with pip line)
+  klbench-audit trl verl.kl_penalty.k3+
+  klbench-audit --all --markdown docs/libraries.md
+  klbench-audit --all --mlflow        also log the table as an artifact of an MLflow run
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from klbench.libraries import LIBRARIES
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="klbench-audit", description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="*", help=f"libraries ({', '.join(LIBRARIES)}) or settings (e.g. trl.grpo)")
+    p.add_argument("--all", action="store_true", help="every library")
+    p.add_argument("--markdown", metavar="PATH", help="also write the generated docs page here")
+    p.add_argument("--mlflow", action="store_true",
+                   help="log the table as an artifact of an MLflow run (default when MLFLOW_TRACKING_URI is set)")
+    p.add_argument("--experiment", default="library-audit", help="MLflow experiment name (default library-audit)")
+    a = p.parse_args(argv)
+    names = list(LIBRARIES) if a.all else a.names
+    if not names:
+        p.error("name a library or setting, or pass --all")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from klbench.libraries.audit import markdown, run, text_table
+
+    start = time.perf_counter()
+    try:
+        cells = run(names)
+    except ValueError as e:
+        print(f"klbench-audit: {e}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - start
+    table = text_table(cells)
+    print(table)
+    print(f"audit run time: {seconds:.1f} s")
+    page = markdown(cells, seconds)
+    if a.markdown:
+        Path(a.markdown).write_text(page)
+        print(f"wrote {a.markdown}")
+    if a.mlflow or os.environ.get("MLFLOW_TRACKING_URI"):
+        print(f"MLflow run: {_log(table, page, seconds, a.experiment)}")
+    return 0
+
+
+def _log(table: str, page: str, seconds: float, experiment: str) -> str:
+    from mlflow import MlflowClient
+
+    from klbench.record import store
+
+    uri = store.tracking_uri()  # $MLFLOW_TRACKING_URI, else outputs/mlflow.db, as klbench runs
+    root = str(store.outputs_dir() / "artifacts") if store.sqlite_path(uri) else None
+    exp_id = store.ensure_experiment(uri, experiment, root)  # opens (or creates) the store
+    client = MlflowClient(tracking_uri=uri)
+    run = client.create_run(exp_id, run_name="klbench-audit")
+    rid = run.info.run_id
+    client.log_metric(rid, "audit_seconds", seconds)
+    with tempfile.TemporaryDirectory() as d:
+        for name, text in (("audit.txt", table), ("libraries.md", page)):
+            (Path(d) / name).write_text(text)
+            client.log_artifact(rid, str(Path(d) / name))
+    client.set_terminated(rid)
+    return f"{rid} in {uri}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""TRL: the real `GRPOTrainer._compute_loss` and `RLOOTrainer._compute_loss`, called once per sequence.
+
+Each trainer is built with `object.__new__` (no model, no dataset, no generation), its attributes set from
+a real `GRPOConfig` / `RLOOConfig` (so TRL's own defaults apply unless a setting overrides one) as
+`__init__` sets them, and `_get_per_token_logps_and_entropies` stubbed to return KLBatch.logp, as TRL's
+own tests do. `accelerator` is a real CPU `accelerate.Accelerator`.
+
+GRPO: advantages are 0, so only the KL term (beta * per_token_kl) moves the policy; beta = 1 unless the
+setting says otherwise (TRL's default beta is 0.0: `trl.grpo.default_beta`). The per-sequence loss is
+`_compute_loss` on a one-sequence batch, so each loss type's normalisation is applied per sequence:
+dapo (the default) divides by num_items_in_batch, fixed at 1 here (TRL divides by the generation batch's
+token count, a per-step constant), so dapo is the token sum; grpo is the per-sequence token mean;
+dr_grpo is the token sum / max_completion_length. old_per_token_logps is KLBatch.old_logp off-policy.
+
+RLOO: the KL enters the reward in `_generate_and_score_completions` (rloo_trainer.py, the lines after
+"Include the KL penalty in the reward"), which needs generation and so is not called: the adapter forms the
+advantage the same way, -beta * sum_t (old_logp_t - ref_logp_t), and passes it with old_logps to the real
+`_compute_loss` (sequence ratio, PPO clip at TRL's epsilon). The leave-one-out baseline is left out: it does
+not change the expected gradient.
+"""
+from __future__ import annotations
+
+import tempfile
+import warnings
+from collections import defaultdict
+
+import torch
+
+from klbench.estimators import KLBatch
+from klbench.libraries.base import Library, Setting, old_or_current, require, source_of
+
+DIST, SUPPORTED = "trl", "1.16.0"
+
+GRPO_SETTINGS = {  # setting -> GRPOConfig overrides (beta = 1 unless given)
+    "trl.grpo": {},
+    "trl.grpo.default_beta": {"beta": None},
+    "trl.grpo.no_bias_correction": {"use_bias_correction_kl": False},
+    "trl.grpo.sequence_is": {"importance_sampling_level": "sequence"},
+    "trl.grpo.sequence_is.no_bias_correction": {"importance_sampling_level": "sequence",
+                                                 "use_bias_correction_kl": False},
+    "trl.grpo.loss_grpo": {"loss_type": "grpo"},
+    "trl.grpo.loss_dr_grpo": {"loss_type": "dr_grpo"},
+}
+RLOO_SETTINGS = {"trl.rloo": {"beta": 1.0}, "trl.rloo.no_clip": {"beta": 1.0, "epsilon": 1e9}}
+
+
+def _accelerator():
+    from accelerate import Accelerator
+    return Accelerator(cpu=True)
+
+
+def _config(cls, **overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(output_dir=tempfile.mkdtemp(prefix="klbench-trl-"), report_to=[], use_cpu=True, bf16=False,
+                   **overrides)
+
+
+def _grpo_trainer(GRPOTrainer, GRPOConfig, overrides: dict, accelerator):
+    over = dict(overrides)
+    if "beta" not in over:
+        over["beta"] = 1.0
+    elif over["beta"] is None:
+        del over["beta"]
+    args = _config(GRPOConfig, **over)
+    t = object.__new__(GRPOTrainer)
+    # as GRPOTrainer.__init__ sets them from args
+    t.args, t.accelerator, t.model = args, accelerator, torch.nn.Module()
+    t.beta, t.loss_type, t.importance_sampling_level = args.beta, args.loss_type, args.importance_sampling_level
+    t.epsilon_low = args.epsilon
+    t.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    t.max_completion_length = args.max_completion_length
+    t.top_entropy_quantile, t.off_policy_mask_threshold = args.top_entropy_quantile, args.off_policy_mask_threshold
+    t.use_vllm, t.vllm_importance_sampling_correction = args.use_vllm, args.vllm_importance_sampling_correction
+    t.entropy_coef, t.use_adaptive_entropy = args.entropy_coef, args.use_adaptive_entropy
+    t._entropy_bonus_enabled = t.entropy_coef != 0.0 or t.use_adaptive_entropy
+    t.aux_loss_enabled = False
+    t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    t.current_gradient_accumulation_steps = 1
+    return t
+
+
+def _rloo_trainer(RLOOTrainer, RLOOConfig, overrides: dict, accelerator):
+    args = _config(RLOOConfig, **overrides)
+    t = object.__new__(RLOOTrainer)
+    t.args, t.accelerator, t.model = args, accelerator, torch.nn.Module()
+    t.beta = args.beta
+    t.epsilon_low = args.epsilon
+    t.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    t.aux_loss_enabled = False
+    t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    t.current_gradient_accumulation_steps = 1
+    return t
+
+
+def _row_inputs(batch: KLBatch, b: int) -> dict:
+    T = batch.logp.shape[1]
+    return {"prompt_ids": torch.zeros(1, 1, dtype=torch.long), "prompt_mask": torch.ones(1, 1, dtype=torch.long),
+            "completion_ids": torch.zeros(1, T, dtype=torch.long),
+            "completion_mask": batch.mask[b:b + 1].long()}
+
+
+def _per_row(trainer, batch: KLBatch, extra) -> torch.Tensor:
+    """[B] trainer._compute_loss on each one-sequence batch, logp stubbed in as the model's output."""
+    logp = batch.masked_logp
+    out = []
+    for b in range(logp.shape[0]):
+        row = logp[b:b + 1]
+        trainer._get_per_token_logps_and_entropies = (
+            lambda *a, row=row, **k: (row, torch.zeros_like(row.detach()), None))
+        inputs = _row_inputs(batch, b)
+        inputs.update(extra(b))
+        out.append(trainer._compute_loss(None, inputs))
+    return torch.stack(out)
+
+
+def load() -> Library:
+    version = require(DIST, SUPPORTED)
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    lib = Library(DIST, version)
+    acc, trainers = None, []  # the Accelerator is made after every config: TrainingArguments resets its state
+    grpo_src, rloo_src = source_of(GRPOTrainer._compute_loss), source_of(RLOOTrainer._compute_loss)
+    for name, over in GRPO_SETTINGS.items():
+        trainer = _grpo_trainer(GRPOTrainer, GRPOConfig, over, acc)
+        trainers.append(trainer)
+
+        def loss(batch: KLBatch, trainer=trainer) -> torch.Tensor:
+            ref = torch.where(batch.mask, batch.ref_logp, torch.zeros((), dtype=batch.ref_logp.dtype))
+            old = None if batch.old_logp is None else old_or_current(batch)
+
+            def extra(b):
+                d = {"advantages": torch.zeros(1, dtype=batch.logp.dtype), "ref_per_token_logps": ref[b:b + 1],
+                     "num_items_in_batch": torch.tensor(1.0, dtype=batch.logp.dtype)}
+                if old is not None:
+                    d["old_per_token_logps"] = old[b:b + 1]
+                return d
+            return _per_row(trainer, batch, extra)
+
+        a = trainer.args
+        lib.settings[name] = Setting(
+            name, loss, grpo_src, f"_compute_loss per sequence, loss_type={a.loss_type}",
+            f"beta={a.beta}, use_bias_correction_kl={a.use_bias_correction_kl}, "
+            f"importance_sampling_level={a.importance_sampling_level}")
+    for name, over in RLOO_SETTINGS.items():
+        trainer = _rloo_trainer(RLOOTrainer, RLOOConfig, over, acc)
+        trainers.append(trainer)
+
+        def loss(batch: KLBatch, trainer=trainer) -> torch.Tensor:
+            old = old_or_current(batch)
+            ref = torch.where(batch.mask, batch.ref_logp, torch.zeros((), dtype=batch.ref_logp.dtype))
+            old_seq = old.sum(-1)  # [B] as TRL: (old_per_token_logps * completion_mask).sum(1)
+            adv = -trainer.beta * (old - ref).sum(-1)  # [B] k1 of the rollout policy, in the reward
+
+            def extra(b):
+                return {"advantages": adv[b:b + 1], "old_logps": old_seq[b:b + 1]}
+            return _per_row(trainer, batch, extra)
+
+        a = trainer.args
+        lib.settings[name] = Setting(
+            name, loss, rloo_src, "_compute_loss per sequence (sequence ratio, PPO clip); KL in the reward",
+            f"beta={a.beta}, epsilon={a.epsilon}")
+    acc = _accelerator()
+    for t in trainers:
+        t.accelerator = acc
+    return lib

@@ -1,0 +1,186 @@
+"""The pinned RL libraries' own KL code, audited on the exact tabular model: one test per (setting, policy)
+cell. A new library release that changes what its code follows fails here instead of silently changing
+docs/libraries.md. Libraries not installed skip with the line that installs them."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from klbench.libraries import LibraryMissing, Setting, load
+from klbench.libraries.audit import run, run_setting
+from klbench.libraries.base import require
+
+# (setting, policy) -> (audit verdict, a library clamp changed a value). These are issue 20's findings.
+EXPECTED = {
+    ("trl.grpo", "on"): ("partial_kl_pi_ref", False),  # use_bias_correction_kl defaults to True
+    ("trl.grpo", "off"): ("partial_kl_pi_ref@old", True),  # clamp: the PPO clip, on a zero advantage
+    ("trl.grpo.default_beta", "on"): ("zero", False),  # default beta is 0.0
+    ("trl.grpo.default_beta", "off"): ("zero", True),
+    ("trl.grpo.no_bias_correction", "on"): ("partial_kl_ref_pi", False),
+    ("trl.grpo.no_bias_correction", "off"): ("none of the above", True),
+    ("trl.grpo.sequence_is", "on"): ("none of the above", False),  # sequence ratio broadcast onto token k3
+    ("trl.grpo.sequence_is", "off"): ("none of the above", True),
+    ("trl.grpo.sequence_is.no_bias_correction", "on"): ("partial_kl_ref_pi", False),
+    ("trl.grpo.sequence_is.no_bias_correction", "off"): ("none of the above", True),
+    ("trl.grpo.loss_grpo", "on"): ("none of the above", False),  # per-sequence length normalisation
+    ("trl.grpo.loss_grpo", "off"): ("none of the above", True),
+    ("trl.grpo.loss_dr_grpo", "on"): ("0.00195312 x partial_kl_pi_ref", False),  # 1 / max_completion_length
+    ("trl.grpo.loss_dr_grpo", "off"): ("0.00195312 x partial_kl_pi_ref@old", True),
+    ("trl.rloo", "on"): ("kl_pi_ref", False),
+    ("trl.rloo", "off"): ("none of the above", True),  # rollout policy's k1 in the reward, clipped ratio
+    ("trl.rloo.no_clip", "on"): ("kl_pi_ref", False),
+    ("trl.rloo.no_clip", "off"): ("none of the above", False),
+    ("openrlhf.k1", "on"): ("zero", False),  # the default kl_estimator, in the loss
+    ("openrlhf.k1", "off"): ("none of the above", False),
+    ("openrlhf.k1.unbiased", "on"): ("partial_kl_pi_ref", False),
+    ("openrlhf.k1.unbiased", "off"): ("partial_kl_pi_ref@old", False),
+    ("openrlhf.k2", "on"): ("partial_kl_pi_ref", False),
+    ("openrlhf.k2", "off"): ("none of the above", False),
+    ("openrlhf.k2.unbiased", "on"): ("partial_kl_pi_ref", False),
+    ("openrlhf.k2.unbiased", "off"): ("partial_kl_pi_ref@old", False),
+    ("openrlhf.k3", "on"): ("none of the above", True),  # value clamped to [-10, 10]
+    ("openrlhf.k3", "off"): ("none of the above", True),
+    ("openrlhf.k3.unbiased", "on"): ("partial_kl_pi_ref", True),  # clamp on the detached value only
+    ("openrlhf.k3.unbiased", "off"): ("partial_kl_pi_ref@old", True),
+    ("areal.kl.k1", "on"): ("kl_pi_ref", False),
+    ("areal.kl.k1", "off"): ("none of the above", False),
+    ("areal.kl.k2", "on"): ("none of the above", False),
+    ("areal.kl.k2", "off"): ("none of the above", False),
+    ("areal.kl.k3", "on"): ("none of the above", True),
+    ("areal.kl.k3", "off"): ("none of the above", True),
+}
+VERL = {"k1": ("zero", "none of the above", False), "kl": ("zero", "none of the above", False),
+        "abs": ("none of the above", "none of the above", False),
+        "mse": ("partial_kl_pi_ref", "none of the above", False), "k2": ("partial_kl_pi_ref", "none of the above", False),
+        "low_var_kl": ("none of the above", "none of the above", True),  # clamp to [-10, 10] fires
+        "k3": ("none of the above", "none of the above", True),
+        "k1+": ("partial_kl_pi_ref", "none of the above", False),
+        "k3+": ("partial_kl_pi_ref", "none of the above", True),  # clamp on the detached forward value only
+        "low_var_kl+": ("partial_kl_pi_ref", "none of the above", True)}
+# use_kl_in_reward: kl_penalty on the rollout's log-probs, return-to-go REINFORCE (klbench's surrogate)
+EXPECTED[("verl.kl_in_reward.kl", "on")] = ("kl_pi_ref", False)
+EXPECTED[("verl.kl_in_reward.kl", "off")] = ("none of the above", False)
+EXPECTED[("verl.kl_in_reward.low_var_kl", "on")] = ("none of the above", True)
+EXPECTED[("verl.kl_in_reward.low_var_kl", "off")] = ("none of the above", True)
+for kind, (on, off, clamp) in VERL.items():
+    EXPECTED[(f"verl.kl_penalty.{kind}", "on")] = (on, clamp)
+    EXPECTED[(f"verl.kl_penalty.{kind}", "off")] = (off, clamp)
+
+_LIBS: dict = {}
+
+
+def _library(name: str):
+    if name not in _LIBS:
+        try:
+            _LIBS[name] = load(name)
+        except LibraryMissing as e:
+            _LIBS[name] = str(e)
+    if isinstance(_LIBS[name], str):
+        pytest.skip(_LIBS[name])
+    return _LIBS[name]
+
+
+_CELLS: dict = {}
+
+
+def _cell(setting: str, policy: str):
+    if setting not in _CELLS:
+        lib = _library(setting.split(".")[0])
+        _CELLS[setting] = {c.policy: c for c in run_setting(lib.name, lib.version, lib.settings[setting])}
+    return _CELLS[setting][policy]
+
+
+@pytest.mark.parametrize("setting,policy", sorted(EXPECTED), ids=lambda v: v)
+def test_cell(setting, policy):
+    cell = _cell(setting, policy)
+    match, clamp = EXPECTED[(setting, policy)]
+    assert cell.match == match, f"{setting} {policy}-policy: {cell.match} (rel_errors {cell.rel_errors})"
+    assert bool(cell.clamps) == clamp, f"{setting} {policy}-policy: clamps {cell.clamps}"
+    assert cell.source and ".py:" in cell.source
+    if cell.transcription:  # klbench's worked example of the setting audits like the library's code
+        assert cell.transcription_match == cell.match, f"{cell.transcription}: {cell.transcription_match}"
+
+
+def test_every_setting_has_an_expected_cell():
+    names = []
+    for lib in ("trl", "verl", "openrlhf", "areal"):
+        try:
+            names += list(load(lib).settings)
+        except LibraryMissing:
+            continue
+    assert sorted({s for s, _ in EXPECTED if s.split(".")[0] in {n.split(".")[0] for n in names}}) == sorted(names)
+
+
+def test_rloo_off_policy_relative_errors_as_in_the_issue():
+    assert _cell("trl.rloo", "off").rel_errors["kl_pi_ref"] == pytest.approx(0.58, abs=0.02)
+    assert _cell("trl.rloo.no_clip", "off").rel_errors["kl_pi_ref"] == pytest.approx(0.41, abs=0.02)
+
+
+def test_torchtune_has_no_grpo_loss():
+    with pytest.raises(LibraryMissing, match="ships no GRPOLoss"):
+        load("torchtune")
+
+
+def test_other_version_names_found_supported_and_pip_line():
+    with pytest.raises(LibraryMissing, match=r"torch: found 2\.13\.0.*supported 0\.0\.1; pip install --no-deps"):
+        require("torch", "0.0.1")
+    with pytest.raises(LibraryMissing, match="not installed; supported 1.0; pip install --no-deps"):
+        require("klbench-no-such-dist", "1.0")
+
+
+def test_unknown_setting_names_the_valid_ones():
+    _library("verl")
+    with pytest.raises(ValueError, match=r"unknown setting 'verl\.kl_penalty\.k9'; valid: .*verl\.kl_penalty\.k3\+"):
+        run(["verl.kl_penalty.k9"])
+    with pytest.raises(ValueError, match="unknown library 'nope'"):
+        run(["nope.x"])
+
+
+def test_a_raising_or_non_finite_library_function_is_the_cells_result():
+    def raises(batch):
+        raise ValueError("Unknown kl_estimator: k9")
+
+    def nan(batch):
+        return batch.logp.sum(-1) * float("nan")
+
+    cells = run_setting("x", "0", Setting("x.raises", raises, "x.py:1", "-"))
+    assert [c.match for c in cells] == ["raised ValueError: Unknown kl_estimator: k9"] * 2
+    cells = run_setting("x", "0", Setting("x.nan", nan, "x.py:1", "-"))
+    assert all(c.match.startswith("raised FloatingPointError: the library returned non-finite") for c in cells)
+
+
+def test_cli_prints_table_and_logs_mlflow_artifact(tmp_path, monkeypatch, capsys):
+    _library("verl")
+    from klbench.libraries.cli import main
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("KLBENCH_OUTPUTS", str(tmp_path))
+    md = tmp_path / "libraries.md"
+    assert main(["verl.kl_penalty.k3+", "torchtune", "--markdown", str(md)]) == 0
+    out = capsys.readouterr().out
+    assert "verl 0.9.1" in out and "partial_kl_pi_ref" in out and "skipped: torchtune 0.6.1" in out
+    assert "`verl/trainer/ppo/core_algos.py:" in md.read_text()
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("library-audit")
+    run_ = client.search_runs([exp.experiment_id])[0]
+    assert {a.path for a in client.list_artifacts(run_.info.run_id)} == {"audit.txt", "libraries.md"}
+    assert not math.isnan(run_.data.metrics["audit_seconds"])
+
+
+@pytest.mark.parametrize("name,match", [("trl.grpo", "partial_kl_pi_ref"),
+                                        ("verl.kl_penalty.low_var_kl", "none of the above")])
+def test_library_setting_as_a_gradient_estimator(name, match):
+    _library(name.split(".")[0])
+    from klbench.estimators import gradient_estimator
+    from klbench.exact.tabular import audit
+    from klbench.libraries.estimator import LibraryGradient
+
+    est = gradient_estimator("library", setting=name)
+    assert isinstance(est, LibraryGradient)
+    assert audit(est, tol=1e-5).match == match
+    with pytest.raises(ValueError, match=r"unknown setting 'trl\.nope'; valid: trl\.grpo"):
+        LibraryGradient(setting="trl.nope")
