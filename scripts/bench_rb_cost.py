@@ -1,5 +1,7 @@
-"""klbench-bench: what the exact per-position KL (`rb`) costs at LM shapes, side by side with `mc`, a naive
-unchunked `rb`, and one forward+backward of a small GPT-2 at the same B x T x V.
+"""What the exact per-position KL (`rb`) costs at LM shapes, side by side with `mc`, a naive unchunked `rb`,
+and one forward+backward of a small GPT-2 at the same B x T x V (docs/estimators.md, "Cost of rb").
+
+    python scripts/bench_rb_cost.py [--quick] [--threads N] [--B 8 --T 256 --V 50257]
 
 Every variant runs in its own fresh (spawned) process, so that its peak memory can be read from the
 kernel's high-water mark of resident memory (ru_maxrss): peak = ru_maxrss after the timed steps minus
@@ -153,7 +155,7 @@ def table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="klbench-bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--B", type=int, help=f"batch size (default {FULL['B']}, --quick {QUICK['B']})")
     p.add_argument("--T", type=int, help=f"response length (default {FULL['T']}, --quick {QUICK['T']})")
     p.add_argument("--V", type=int, help=f"vocabulary size (default {FULL['V']}, --quick {QUICK['V']})")

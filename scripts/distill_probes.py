@@ -1,9 +1,9 @@
 """The two diagnostics behind the distillation conclusion in docs/distillation.md (not part of the package).
 
-    python docs/distill_probes.py tabular-exact [--sgd] [--lr 0.1 0.03]
+    python scripts/distill_probes.py tabular-exact [--sgd] [--lr 0.1 0.03]
         Noise-free: Adam (or SGD) on the EXACT sequence-KL gradient versus the EXACT token-level partial
         gradient, on experiment=distill_estimators_tabular's student and teacher tables.
-    python docs/distill_probes.py lm-gradients [--batches 48]
+    python scripts/distill_probes.py lm-gradients [--batches 48]
         At the starting student of experiment=distill_estimators: each estimator's KL gradient on the same
         batches of 32 samples; how well their means agree, and the per-batch signal-to-noise ratio.
 """

@@ -1,6 +1,6 @@
 """Regenerates the kl_ctl results table and figure (README, docs/kl-control.md) from an MLflow store.
 
-    KLBENCH_OUTPUTS=outputs/kl_ctl_results python docs/kl_control_results.py \
+    KLBENCH_OUTPUTS=outputs/kl_ctl_results python scripts/kl_control_results.py \
         --experiment kl_ctl_embedded_target2 --out docs/img/kl_ctl_embedded_target2.png
 
 Takes the FINISHED runs with kl_ctl.name=adaptive of the experiment and groups them by kl_ctl.signal (or
@@ -15,15 +15,19 @@ where there are several):
   first third on (ringing: the controller's oscillation plus the policy's own noise);
 - the final val/seq_kl against the target, and val/reward.
 --exact plots val/seq_kl as lines (every validation: the exact KL on tabular) instead of train/kl_rb.
-The store is $MLFLOW_TRACKING_URI, else outputs/mlflow.db under $KLBENCH_OUTPUTS or the current folder.
+The store is --tracking-uri, else $MLFLOW_TRACKING_URI, else mlflow.db in $KLBENCH_OUTPUTS (default ./outputs),
+as for klbench runs (klbench.analysis.mlflow_io.open_client).
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
 from pathlib import Path
 from statistics import mean, pstdev
+
+from klbench.analysis.mlflow_io import (TRACKING_URI_HELP, UnknownExperiment, experiment_ids, open_client,
+                                        search_runs)
+from klbench.record.store import StoreError
 
 SIGNAL_ORDER = ("mc", "k3", "cv_seq", "cv_opt", "k2", "rb")
 
@@ -116,14 +120,14 @@ def main() -> None:
     p.add_argument("--title", default=None)
     p.add_argument("--group-by", default="kl_ctl.signal", help="param that groups the runs (kl_ctl.kp: controllers)")
     p.add_argument("--exact", action="store_true", help="plot val/seq_kl as lines (exact on model=tabular)")
+    p.add_argument("--tracking-uri", default=None, help=TRACKING_URI_HELP)
     args = p.parse_args()
-    from mlflow import MlflowClient
-    outputs = Path(os.environ.get("KLBENCH_OUTPUTS", "outputs")).resolve()
-    client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{outputs}/mlflow.db")
-    exp = client.get_experiment_by_name(args.experiment)
-    if exp is None:
-        raise SystemExit(f"no experiment {args.experiment!r} in {client.tracking_uri}")
-    found = client.search_runs([exp.experiment_id], "params.`kl_ctl.name` = 'adaptive'", max_results=10000)
+    try:
+        client, _ = open_client(args.tracking_uri)
+        ids = experiment_ids(client, [args.experiment])
+    except (StoreError, UnknownExperiment) as e:
+        raise SystemExit(str(e)) from None
+    found = search_runs(client, ids, "params.`kl_ctl.name` = 'adaptive'")
     done = [r for r in found if r.info.status == "FINISHED"]
     print(f"{len(done)} FINISHED adaptive runs ({len(found) - len(done)} others skipped)")
     if not done:

@@ -4,7 +4,7 @@ Needs Debian's headless Chromium (`apt-get install -y chromium`) and a running `
 a sweep; drives the browser over the DevTools protocol with aiohttp, which MLflow already depends on:
 
     mlflow ui --backend-store-uri sqlite:///$PWD/outputs/mlflow.db --port 5000 --workers 1 &
-    python docs/mlflow_ui_screenshot.py --experiment-id 1 --out docs/img/mlflow_ui_sweep.png
+    python scripts/mlflow_ui_screenshot.py --experiment-id 1 --out docs/img/mlflow_ui_sweep.png
 
 It fails loudly when a step does not find what the walk-through says is there: then the walk-through
 (or this script) no longer matches the UI.

@@ -2,7 +2,7 @@
 samples from pi (on-policy) and from a behaviour policy pi_old (off-policy), on the audit's three default
 tabular instances (exact enumeration, no sampling).
 
-    python docs/placement_grid.py            # about 10 s
+    python scripts/placement_grid.py            # its run time: docs/placement.md
 
 Off-policy: pi_old = theta + 0.5 * N(0, 1) per instance (klbench.exact.tabular.behaviour_tables(..., 0.5)). An
 estimator that refuses old_logp != logp is audited with old_logp withheld (what it would do if it were fed

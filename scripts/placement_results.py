@@ -1,8 +1,8 @@
-"""Tables and figure of docs/placement.md from the MLflow stores of the issue-12 runs.
+"""Tables and figures of docs/placement.md ("Results") from the MLflow store of the placement runs.
 
-    python docs/placement_results.py lm --tracking-uri sqlite:////tmp/kl12/lm/mlflow.db --experiment issue12-lm \
+    KLBENCH_OUTPUTS=outputs/placement/lm python scripts/placement_results.py lm --experiment placement-lm \
         --out docs/img/placement_lm.png
-    python docs/placement_results.py tabular --tracking-uri sqlite:////tmp/kl12/tab/mlflow.db \
+    KLBENCH_OUTPUTS=outputs/placement/tab python scripts/placement_results.py tabular \
         --experiment sweep-kl_placement-tabular --out docs/img/placement_tabular.png
 
 lm: per (estimator cell, task.inner_steps), over seeds: final val/reward and val/seq_kl (mean and the range),
@@ -17,22 +17,22 @@ import math
 import statistics
 from collections import defaultdict
 
-import mlflow
+from klbench.analysis.mlflow_io import (TRACKING_URI_HELP, UnknownExperiment, estimator_label, experiment_ids,
+                                        open_client, search_runs)
+from klbench.record.store import StoreError
 
-from klbench.analysis.mlflow_io import estimator_label
+DEFAULT_EXPERIMENT = {"lm": "sweep-kl_placement-embedded", "tabular": "sweep-kl_placement-tabular"}
 
 
 def _runs(client, experiment: str):
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        raise SystemExit(f"no experiment {experiment!r} in {client.tracking_uri}")
-    out, token = [], None
-    while True:
-        page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token)
-        out += [r for r in page if "mlflow.parentRunId" in r.data.tags or "klbench.task" in r.data.tags]
-        token = page.token
-        if not token:
-            return [r for r in out if "estimator.name" in r.data.params]
+    """The experiment's training runs (a sweep's trials or single klbench runs) that name an estimator."""
+    try:
+        ids = experiment_ids(client, [experiment])
+    except UnknownExperiment as e:
+        raise SystemExit(str(e)) from None
+    return [r for r in search_runs(client, ids)
+            if ("mlflow.parentRunId" in r.data.tags or "klbench.task" in r.data.tags)
+            and "estimator.name" in r.data.params]
 
 
 def _history(client, run_id: str, key: str) -> list[float]:
@@ -111,15 +111,13 @@ def tabular(client, experiment: str, out: str | None = None) -> None:
         print(f"| {cell} | {k} | {len(runs)} | {m['val/seq_kl']:.3f} | {m['val/kl_ref_pi']:.3f} | "
               f"{m['val/reward']:.3f} | {m['val/frontier_gap']:.4f} |")
     if out:
-        import sys
-        from pathlib import Path
-
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        sys.path.insert(0, str(Path(__file__).parent))
-        from sweep_figures import tabular_frontier  # the exact frontier, built as the sweep callback builds it
-        frontier = tabular_frontier()
+
+        from klbench.config.compose import compose
+        from klbench.sweep.exact import exact_frontier
+        frontier = exact_frontier(compose(["experiment=tabular"]))  # built as the sweep callback builds it
         cells = sorted({c for c, _ in groups})
         colors = dict(zip(cells, plt.cm.tab10.colors))
         ks = sorted({k for _, k in groups})
@@ -143,12 +141,18 @@ def tabular(client, experiment: str, out: str | None = None) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=["lm", "tabular"])
-    p.add_argument("--tracking-uri", required=True)
-    p.add_argument("--experiment", required=True)
-    p.add_argument("--out", default=None, help="lm: where to write the reward-vs-KL figure")
+    p.add_argument("--tracking-uri", default=None, help=TRACKING_URI_HELP)
+    p.add_argument("--experiment", default=None,
+                   help="MLflow experiment (default: " + ", ".join(f"{k}: {v}" for k, v in DEFAULT_EXPERIMENT.items())
+                   + ")")
+    p.add_argument("--out", default=None, help="where to write the figure (none by default)")
     a = p.parse_args()
-    client = mlflow.MlflowClient(a.tracking_uri)
-    lm(client, a.experiment, a.out) if a.kind == "lm" else tabular(client, a.experiment, a.out)
+    try:
+        client, _ = open_client(a.tracking_uri)
+    except StoreError as e:
+        raise SystemExit(str(e)) from None
+    experiment = a.experiment or DEFAULT_EXPERIMENT[a.kind]
+    lm(client, experiment, a.out) if a.kind == "lm" else tabular(client, experiment, a.out)
 
 
 if __name__ == "__main__":

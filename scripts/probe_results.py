@@ -1,6 +1,6 @@
 """Tables of docs/probe.md from the run folders of `klbench task=probe` (their probe_*.csv and probe_meta.json).
 
-    python docs/probe_results.py NAME=FOLDER [NAME=FOLDER ...]
+    python scripts/probe_results.py NAME=FOLDER [NAME=FOLDER ...]
 
 Prints, per folder, the value table at M=1 (cv_opt at its smallest M), the std of every estimator against M,
 and the gradient table; then one headline table (rb/mc value std and rb/seq gradient variance) over folders.

@@ -1,10 +1,10 @@
 #!/bin/bash
 # Whole-process time of a short tabular run at two commits, interleaved (docs/console.md: start-up time).
-#   bash docs/startup_bench.sh BEFORE_REV [AFTER_REV=HEAD] [RUNS=5]
+#   bash scripts/startup_bench.sh BEFORE_REV [AFTER_REV=HEAD] [RUNS=5]
 # Each commit is exported with `git archive` and put first on PYTHONPATH; the active venv provides the
 # packages. Prints one line per run (wall and CPU seconds, load average before it) and the medians.
 set -euo pipefail
-before=${1:?usage: bash docs/startup_bench.sh BEFORE_REV [AFTER_REV] [RUNS]}
+before=${1:?usage: bash scripts/startup_bench.sh BEFORE_REV [AFTER_REV] [RUNS]}
 after=${2:-HEAD}
 runs=${3:-5}
 work=$(mktemp -d)

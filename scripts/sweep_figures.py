@@ -1,7 +1,7 @@
 """Regenerates the sweep figures and tables of docs/sweeps.md from an MLflow store.
 
-    python docs/sweep_figures.py tabular --experiment sweep-rl_beta-tabular --out docs/img/pareto_tabular.png
-    python docs/sweep_figures.py embedded --experiment sweep-estimators_grid-embedded --out docs/img/pareto_embedded.png
+    python scripts/sweep_figures.py tabular --experiment sweep-rl_beta-tabular --out docs/img/pareto_tabular.png
+    python scripts/sweep_figures.py embedded --experiment sweep-estimators_grid-embedded --out docs/img/pareto_embedded.png
 
 Unlike `klbench-pareto`, it draws the exact frontier for tabular sweeps and reports each
 estimator's distance to it. The store is $MLFLOW_TRACKING_URI, else outputs/mlflow.db under

@@ -31,7 +31,7 @@ def _record_env_stays_clean():
 @pytest.fixture
 def single_thread():
     """Run a test with one torch thread: on tiny tensors threads buy nothing, and on a busy 2-core machine
-    every OpenMP barrier waits for a descheduled thread (measured here: 40 s instead of 4 s)."""
+    every OpenMP barrier waits for a descheduled thread (measured: docs/estimators.md, "Cost of rb")."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

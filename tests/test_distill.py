@@ -286,7 +286,7 @@ def test_comparison_configs(experiment, kind):
 
 def test_distill_estimators_multirun_end_to_end(tmp_path):
     """`klbench -m experiment=distill_estimators_tabular`, shrunk: 5 estimators x 1 seed, then the report
-    (~20 s: the only test of the multirun + callback wiring, so it stays in the default set)."""
+    (the only test of the multirun + callback wiring, so it stays in the default set despite its time)."""
     env = {**os.environ, "KLBENCH_OUTPUTS": str(tmp_path / "outputs"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "klbench"), "-m",

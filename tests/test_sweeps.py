@@ -272,7 +272,7 @@ def test_failure_after_training_marks_the_run_failed(outputs, local_sweep, tmp_p
 def test_requeued_trial_resumes_from_its_checkpoint(outputs):
     """submitit's local executor signals a trial at its timeout and starts it again, as SLURM does on
     timeout or preemption: the new attempt resumes from last.ckpt and continues the same MLflow run."""
-    # long enough to outlast the 1-minute limit: ~100 tabular steps/s once metrics are written per checkpoint
+    # long enough to outlast the 1-minute limit at the step rate of docs/sweeps.md ("Requeued trials")
     klbench_multirun(outputs, "sweep=rl_beta", "estimator=loo", "experiment=tabular", "task.max_steps=12000",
                      "task.val_every=500", "hydra.sweeper.n_trials=1", "hydra/launcher=local",
                      "hydra.launcher.timeout_min=1", timeout=580)  # signalled 30 s after each start

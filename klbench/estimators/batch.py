@@ -23,8 +23,9 @@ class KLBatch:
     old_logp:   [B, T] optional log pi_old(y_t | y_<t) under the behaviour policy that sampled y (several
                 optimiser steps per rollout); must not require grad. None, or equal to logp on every real
                 token, means on-policy. Only estimators that declare off-policy support accept it otherwise.
-    token_kl:   [B, T] optional exact per-position KL(pi || pi_ref), already computed elsewhere (klbench-bench
-                feeds the unchunked implementation this way); None: computed from the logits on first use
+    token_kl:   [B, T] optional exact per-position KL(pi || pi_ref), already computed elsewhere
+                (scripts/bench_rb_cost.py feeds the unchunked implementation this way); None: computed from
+                the logits on first use
     """
 
     logp: torch.Tensor

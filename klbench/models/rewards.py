@@ -26,7 +26,7 @@ class TextReward:
 
 
 class VaderReward(TextReward):
-    """VADER compound sentiment: a lexicon and rules, no model download, ~30 us per short text."""
+    """VADER compound sentiment: a lexicon and rules, no model download, cheap per text (docs/embedded.md)."""
 
     def __init__(self):
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer

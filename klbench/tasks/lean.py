@@ -2,7 +2,7 @@
 
 `import lightning.pytorch` imports torchmetrics, and torchmetrics' __init__ imports every optional
 integration it finds installed: transformers (for BERTScore), scipy.signal and matplotlib.pyplot. On the
-tabular path that is about half of Lightning's import time (docs/console.md has the figures), for
+tabular path that is a large part of Lightning's import time (docs/console.md has the figures), for
 nothing: klbench uses no torchmetrics metric and imports transformers itself, where a model needs it.
 
 `lightning()` imports Lightning with these three packages out of torchmetrics' sight: its availability

@@ -2,7 +2,7 @@
 
 Tests marked `slurm` are in the default test set; they skip, saying why, where the cluster cannot start
 (not root, or the packages of .ci/install_servers.sh missing). `python -m pytest -m slurm` runs only them.
-Set KLBENCH_SLURM_KEEP=1 to leave a cluster this session started running for the next one (restart: ~2 s).
+Set KLBENCH_SLURM_KEEP=1 to leave a cluster this session started running for the next one (a restart, not a new start).
 """
 import importlib.util
 import os

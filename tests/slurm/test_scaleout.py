@@ -162,9 +162,9 @@ def test_preempted_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
 
 def test_trial_over_its_time_limit_is_requeued_until_done(slurm_cluster, tmp_path):
     """A 2-minute limit with a 30-second warning. Slurm may send the warning up to 60 s early, so an attempt
-    lasts 30 to 90 s. 100000 tabular steps need several attempts (about 2.5 ms a step on 2 busy cores, 1.5
-    idle: more than one attempt's 90 s even at the fastest). A second sweep with max_num_timeout=0 gets no
-    second attempt and ends failed, not finished."""
+    lasts 30 to 90 s. 100000 tabular steps need several attempts, even at the fastest step time measured
+    (docs/scale-out.md, the test table). A second sweep with max_num_timeout=0 gets no second attempt and
+    ends failed, not finished."""
     steps, every = 100000, 2500
     task = [f"task.max_steps={steps}", f"task.val_every={every}"]
     limit = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=30"]

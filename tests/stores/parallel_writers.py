@@ -1,7 +1,7 @@
 """N processes writing to a store at the same moment:  python parallel_writers.py optuna|mlflow URL N
 
-The library is imported once and the writers forked from here (8 interpreters each importing MLflow cost
-~10 s of CPU on a 2-core machine). Each writer opens its own connection, waits at a barrier until all
+The library is imported once and the writers forked from here (8 interpreters each importing MLflow would
+spend more CPU on imports than on the writes under test). Each writer opens its own connection, waits at a barrier until all
 have, then writes. The last line printed is a JSON list: one result per writer.
 """
 import json

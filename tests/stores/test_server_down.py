@@ -1,7 +1,7 @@
 """The MLflow server goes away mid-run (issue 18): the run ends in one line that says what failed, what
 became of the MLflow run and how to resume; pasted once the server is back, that command finishes the
-same run. MLflow's own retries are cut to one here (MLFLOW_HTTP_REQUEST_MAX_RETRIES; its default rides
-out an outage of about 4 minutes), so the test takes seconds, not minutes."""
+same run. MLflow's own retries are cut to one here (MLFLOW_HTTP_REQUEST_MAX_RETRIES; how long its default
+rides out: docs/record.md), so the test takes seconds, not minutes."""
 from __future__ import annotations
 
 import shlex
