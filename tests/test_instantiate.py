@@ -9,7 +9,7 @@ import torch
 
 from klbench.models.policies import LMPolicy, Rollout, TabularPolicy, build_policy
 from klbench.models.rewards import build_reward
-from klbench.tasks import build_task
+from klbench.tasks import TASKS, TRAINING, build_task, runner
 from klbench.tasks.train import build_data, build_trainer, check_config
 from klbench.record.tracking import build_logger
 from test_config import GROUPS, compose_cfg
@@ -124,14 +124,23 @@ def test_task_options_build(tmp_path, option):
     cfg = compose_cfg(tmp_path, over)
     check_config(cfg)
     if option == "probe":  # measures, trains nothing: its runner is the whole task
-        from klbench.tasks.probe import run_task
-        assert run_task(cfg)["kl_reference"] == 0  # the untrained policy is its reference
+        assert runner(option)(cfg)["kl_reference"] == 0  # the untrained policy is its reference
         return
     if option == "pretrain":
-        from klbench.tasks.pretrain import run_task
-        metrics = run_task(cfg)
+        metrics = runner(option)(cfg)
         assert metrics["steps"] == 3 and metrics["heldout_loss"] > 0
         return
     policy = build_policy(cfg.model, 4, cfg.paths.cache, cfg.get("teacher"))
     module = build_task(cfg, policy, build_reward(cfg.reward, policy))
     assert module.beta == cfg.estimator.beta and module.estimator.name == cfg.estimator.name
+
+
+def test_every_task_is_found_through_one_registry():
+    """Each option of the `task` group has its runner in klbench.tasks.TASKS, a function that imports; a name
+    outside it is refused with the valid ones, read from the registry; the training tasks build a module."""
+    assert set(TASKS) == set(GROUPS["task"])
+    for name in TASKS:
+        assert callable(runner(name)), name
+    with pytest.raises(ValueError, match="task.name='nope' is unknown; valid: " + ", ".join(TASKS)):
+        runner("nope")
+    assert set(TRAINING) < set(TASKS)

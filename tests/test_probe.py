@@ -1,5 +1,5 @@
-"""The estimator probe (klbench/probe/measure.py, task=probe, task.probe_every): its statistics against exact values
-on the tabular model, the naive estimators' documented failures, RNG isolation, the runner and its record."""
+"""The estimator probe (klbench/probe/: stats, measure, report; task=probe, task.probe_every): its statistics
+against exact values on the tabular model, the naive estimators' documented failures, RNG isolation, the runner and its record."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,8 @@ import torch
 
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.models.policies import TabularPolicy
-from klbench.probe.measure import (BATCH_FITTED, CountSketch, ProbeConfig, Welford, bootstrap_weights, gradient_variants,
-                           run_probe, value_variants)
+from klbench.probe.measure import BATCH_FITTED, ProbeConfig, gradient_variants, run_probe, value_variants
+from klbench.probe.stats import CountSketch, Welford, bootstrap_weights
 from klbench.exact.tabular import TabularModel
 from tiny_lms import save_sharpened_variant
 from test_config import compose_cfg
@@ -195,6 +195,21 @@ def test_probe_task_reads_a_checkpoint_and_writes_the_record(tmp_path, single_th
     with pytest.raises(ResumeError, match="model.K"):
         run(compose_cfg(tmp_path / "q", ["task=probe", "model=tabular", "model.K=3", "reward=tabular",
                                          f"ckpt_path={ckpt}", "logger=none"] + small))
+
+
+def test_a_probe_that_fails_ends_its_run_failed(tmp_path, single_thread):
+    """The probe's record goes through the run lifecycle (klbench.record.lifecycle) as training's does: a
+    table it cannot write (a folder stands where the file goes) ends its MLflow run FAILED, the error tagged."""
+    from klbench.record import runs
+    from klbench.tasks.train import run
+    (tmp_path / "run" / "probe_values.csv").mkdir(parents=True)
+    cfg = compose_cfg(tmp_path, ["task=probe", "model=tabular", "reward=tabular", "task.prompts=1", "task.samples=2",
+                                 "task.grad_samples=2", "task.replicates=4", "task.bootstrap=10"])
+    with pytest.raises(IsADirectoryError):
+        run(cfg)
+    client = mlflow.MlflowClient(cfg.logger.tracking_uri)
+    (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
+    assert r.info.status == "FAILED" and r.data.tags[runs.ERROR].startswith("IsADirectoryError"), r.data.tags
 
 
 def test_probe_every_does_not_shift_training(tmp_path, single_thread):

@@ -1,9 +1,11 @@
 """Estimator quality on any policy/reference pair: bias and variance of every value and gradient estimator,
-measured by sampling, with bootstrap confidence intervals. Pure torch: no Lightning, no Hydra.
+measured by sampling, with bootstrap confidence intervals. Pure torch: no Lightning, no Hydra. The
+statistics themselves are klbench.probe.stats; tables, files and plots of a result are klbench.probe.report.
 
+    from klbench.probe import report
     from klbench.probe.measure import ProbeConfig, run_probe
     result = run_probe(policy, prompts, ProbeConfig(samples=32, replicates=128))
-    print(result.summary())
+    print(report.summary(result))
 
 `policy` is anything with `rollout(prompts, n)`, `score(rollout) -> KLBatch` and `trainable()` (klbench's
 LMPolicy and TabularPolicy). The probe draws R independent replicates from its own seeded stream (the
@@ -42,6 +44,7 @@ import torch
 
 from klbench.estimators import GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, KLBatch, gradient_estimator, value_estimator
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
+from klbench.probe.stats import CountSketch, Welford, bootstrap_weights, fill, ratio
 
 # value estimators probed, label -> (registered name, options); registered names not covered join with defaults
 VALUE_VARIANTS: dict[str, tuple[str, dict]] = REPORTED_VALUES
@@ -116,85 +119,6 @@ class ProbeConfig:
         return out if out[-1] == self.samples else out + [self.samples]
 
 
-# ---- the statistics ----
-
-class Welford:
-    """Running mean and sum of squared deviations of vectors [D] in float64: O(D) memory, numerically stable."""
-
-    def __init__(self, dim: int, device: torch.device | str = "cpu"):
-        self.n = 0
-        self.mean = torch.zeros(dim, dtype=torch.float64, device=device)  # [D]
-        self.m2 = torch.zeros(dim, dtype=torch.float64, device=device)  # [D] per-coordinate sum of squared deviations
-
-    def update(self, x: torch.Tensor) -> None:
-        x = x.to(self.mean)
-        self.n += 1
-        delta = x - self.mean
-        self.mean += delta / self.n
-        self.m2 += delta * (x - self.mean)
-
-    @property
-    def trace_cov(self) -> float:
-        """Unbiased trace of the covariance of one sample."""
-        return float(self.m2.sum()) / (self.n - 1) if self.n > 1 else float("nan")
-
-
-class CountSketch:
-    """A fixed random linear map R^D -> R^k (each coordinate to one bucket with a random sign) with
-    E[<Sx, Sy>] = <x, y> over the draw of the map: inner products and traces survive in expectation."""
-
-    def __init__(self, dim: int, k: int, seed: int, device: torch.device | str = "cpu"):
-        gen = torch.Generator().manual_seed(seed)
-        self.k = k
-        self.bucket = torch.randint(0, k, (dim,), generator=gen).to(device)  # [D]
-        self.sign = (torch.randint(0, 2, (dim,), generator=gen) * 2 - 1).to(device, torch.float64)  # [D]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(self.k, dtype=torch.float64, device=x.device).index_add_(0, self.bucket, x * self.sign)
-
-
-def bootstrap_weights(R: int, B: int, seed: int) -> torch.Tensor:
-    """[B + 1, R] float64 multiplicities of each replicate: row 0 is the sample itself (all ones), rows 1..B
-    resample the R replicates with replacement."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, R, (B, R), generator=gen)
-    w = torch.zeros(B, R, dtype=torch.float64).scatter_add_(1, idx, torch.ones(B, R, dtype=torch.float64))
-    return torch.cat([torch.ones(1, R, dtype=torch.float64), w])
-
-
-def ci(samples: torch.Tensor, level: float, point: float | None = None, truth: float | None = None
-       ) -> tuple[float, float]:
-    """Bias-corrected percentile interval from bootstrap samples [B] of a statistic whose estimate is `point`.
-
-    `truth` is the statistic's value in the bootstrap world (computed on the empirical distribution itself,
-    e.g. the plug-in ||mean||^2 for the debiased squared norm): b = mean(samples) - truth estimates the
-    estimator's bias, and the interval is the percentile interval moved to sit around point - b. Without
-    that shift a debiased squared norm's interval sits trace/R too high (a zero-mean gradient's interval
-    would exclude zero) and a debiased cosine's O(1/R) bias above 1 is not undone. Non-finite samples (a
-    cosine whose norm estimate is <= 0) are left out; nan when fewer than half are finite."""
-    s = samples[torch.isfinite(samples)]
-    if s.numel() < max(2, samples.numel() // 2):
-        return float("nan"), float("nan")
-    a = (1 - level) / 2
-    q = torch.quantile(s, torch.tensor([a, 1 - a], dtype=s.dtype))
-    shift = 0.0
-    if point is not None and math.isfinite(point):
-        m = float(s.mean())
-        bias = m - truth if truth is not None and math.isfinite(truth) else 0.0
-        shift = m - point + bias
-    return float(q[0]) - shift, float(q[1]) - shift
-
-
-def _fill(row: dict, key: str, v: torch.Tensor, level: float) -> None:
-    """row[key], row[key_lo], row[key_hi] from [B + 2] (point, B bootstrap samples, bootstrap-world truth)."""
-    row[key] = float(v[0])
-    row[key + "_lo"], row[key + "_hi"] = ci(v[1:-1], level, float(v[0]), float(v[-1]))
-
-
-def _ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.where(b > 0, a / b.clamp(min=1e-300), torch.full_like(a, float("nan")))
-
-
 @dataclass
 class _GradientTrack:
     """Per gradient estimator: exact running moments plus what the bootstrap needs, per replicate."""
@@ -240,62 +164,6 @@ class ProbeResult:
                 seen.add(r["estimator"])
                 out.append(r)
         return out
-
-    def summary(self) -> str:
-        lines = [f"probe: {self.meta['prompts']} prompts, R={self.meta['replicates']} replicates, "
-                 f"M_max={self.meta['samples']}, gradient batch {self.meta['prompts']} x {self.meta['grad_samples']}, "
-                 f"{self.meta['n_params']} parameters ({self.meta['gradient_space']}); value reference: "
-                 f"{self.meta['value_reference']} = {self.meta['kl_reference']:.4f} nats; "
-                 f"{self.meta['ci_level']:.0%} bootstrap CIs"]
-        lines.append("")
-        lines.append(format_table(self.value_rows(), VALUE_SUMMARY_COLUMNS))
-        lines.append("")
-        lines.append(format_table(self.gradients, GRADIENT_SUMMARY_COLUMNS))
-        if self.meta.get("skipped"):
-            lines.append("skipped: " + "; ".join(f"{k}: {v}" for k, v in self.meta["skipped"].items()))
-        lines.append(f"time {self.meta['time_s']:.1f} s (references {self.meta['ref_time_s']:.1f} s), "
-                     f"peak RSS {self.meta['peak_rss_mb']:.0f} MB")
-        return "\n".join(lines)
-
-
-# ---- tables ----
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        return f"{v:.4g}"
-    return str(v)
-
-
-def _with_ci(row: dict, key: str) -> str:
-    lo, hi = row.get(key + "_lo"), row.get(key + "_hi")
-    if lo is None:
-        return _fmt(row[key])
-    return f"{_fmt(row[key])} [{_fmt(lo)}, {_fmt(hi)}]"
-
-
-VALUE_SUMMARY_COLUMNS = [("estimator", "estimator"), ("M", "M"), ("mean", "mean"), ("mean_se", "s.e."),
-                         ("bias", "bias [CI]"), ("std", "std [CI]"), ("std_ratio_mc", "std / mc [CI]")]
-VALUE_COLUMNS = VALUE_SUMMARY_COLUMNS
-GRADIENT_SUMMARY_COLUMNS = [("estimator", "estimator"), ("trace_cov", "tr Cov [CI]"),
-                            ("var_ratio_seq", "tr Cov / seq [CI]"), ("mean_norm_sq", "||E g||^2 [CI]"),
-                            ("snr", "SNR ||E g||^2/tr Cov [CI]"), ("cos_kl_pi_ref", "cos kl_pi_ref [CI]"),
-                            ("cos_kl_ref_pi", "cos kl_ref_pi [CI]")]
-GRADIENT_COLUMNS = GRADIENT_SUMMARY_COLUMNS + [("rel_err_kl_pi_ref", "rel. err kl_pi_ref [CI]"),
-                                               ("rel_err_kl_ref_pi", "rel. err kl_ref_pi [CI]")]
-
-
-def format_table(rows: list[dict], columns: list[tuple[str, str]], markdown: bool = False) -> str:
-    cells = [[_with_ci(r, k) if k not in ("estimator", "M") else _fmt(r[k]) for k, _ in columns] for r in rows]
-    heads = [h for _, h in columns]
-    if markdown:
-        out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-        return "\n".join(out + ["| " + " | ".join(c) + " |" for c in cells])
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(heads)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(heads, widths))]
-    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
 
 
 # ---- sampling helpers ----
@@ -510,11 +378,11 @@ def _value_rows(stats: dict, level: float) -> list[dict]:
         for M, s in by_m.items():
             row = {"estimator": lab, "M": M}
             for key in ("mean", "bias", "std"):
-                _fill(row, key, s[key], level)
+                fill(row, key, s[key], level)
             row["mean_se"] = float(s["mean"][1:-1].std())
             base = stats.get(STD_BASELINE, {}).get(M)
             if base is not None:
-                _fill(row, "std_ratio_mc", _ratio(s["std"], base["std"]), level)
+                fill(row, "std_ratio_mc", ratio(s["std"], base["std"]), level)
             else:
                 row["std_ratio_mc"] = row["std_ratio_mc_lo"] = row["std_ratio_mc_hi"] = float("nan")
             rows.append(row)
@@ -541,9 +409,9 @@ def _gradient_rows(stats: dict[str, dict[str, torch.Tensor]], level: float) -> l
     for lab, s in stats.items():
         row = {"estimator": lab}
         for key, v in s.items():
-            _fill(row, key, v, level)
+            fill(row, key, v, level)
         if VAR_BASELINE in stats:
-            _fill(row, "var_ratio_seq", _ratio(s["trace_cov"], stats[VAR_BASELINE]["trace_cov"]), level)
+            fill(row, "var_ratio_seq", ratio(s["trace_cov"], stats[VAR_BASELINE]["trace_cov"]), level)
         else:
             row["var_ratio_seq"] = row["var_ratio_seq_lo"] = row["var_ratio_seq_hi"] = float("nan")
         row["mean_norm"] = math.sqrt(max(row["mean_norm_sq"], 0.0))

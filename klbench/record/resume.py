@@ -4,6 +4,9 @@ A checkpoint carries the resolved config of its run (klbench.record.tracking.Rec
 under another model, teacher, reward, dataset, task, estimator or seed would continue one experiment
 as another, so it is refused with the differing keys named, unless the user lists them in
 `ckpt_allow_changes` (e.g. `ckpt_allow_changes=[task.max_steps]` to train a finished run longer).
+
+A checkpoint's policy weights alone (load_policy_weights, for task=probe) load only into the model and
+teacher they were made with: the checkpoint's format is the record's (RecordCheckpoint), so reading it is too.
 """
 from __future__ import annotations
 
@@ -116,3 +119,23 @@ def check_config(payload: dict, cfg: DictConfig, path: str) -> None:
         raise ResumeError(f"{path} was made under another config: " + "; ".join(changes)
                           + f". Resume with the checkpoint's values, or accept the change with "
                             f"ckpt_allow_changes=[{keys}]")
+
+
+def load_policy_weights(policy, path: str, cfg: DictConfig) -> int:
+    """Loads a klbench checkpoint's policy weights into `policy` (a torch module whose parameters the
+    checkpoint's `policy.` entries name, as RecordCheckpoint saves them); returns the checkpoint's step.
+    Refuses a checkpoint made with another model or teacher, naming the keys."""
+    import torch
+    payload = load_payload(path)  # "not a klbench checkpoint" for anything else
+    changes = [c for c in config_changes(payload["config"], cfg) if c.startswith(("model", "teacher"))]
+    if changes:
+        raise ResumeError(f"{path} holds a policy of another model: " + "; ".join(changes)
+                          + ". Load it with the model (and teacher) options of its run")
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("ref.")]  # the frozen reference is not checkpointed
+    if missing or unexpected:
+        raise ResumeError(f"{path}: the policy's weights do not fit this model (missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]})")
+    return int(payload.get("step") or 0)

@@ -1,25 +1,20 @@
-"""The `logger` group: MLflow (default), CSV or none; run naming, config logging, sample tables, and the
-rules that keep the MLflow record true.
+"""The `logger` group: MLflow (default), CSV or none; run naming, config logging, the checkpoint that
+commits the record, sample tables.
 
-- A run is RUNNING while it trains, FINISHED only after its last step and final validation, FAILED
-  (error in the `klbench.error` tag) on an exception, KILLED when interrupted (Ctrl-C, SIGTERM, a
-  requeue) or, for `kill -9`, when something notices its process is gone (klbench.record.runs.reap).
-  Lightning does not set the status: its loggers finalise the run after the step-0 `validate()`.
 - Metrics wait in memory and reach MLflow when the checkpoint is written (RecordCheckpoint), so the
   record never holds a value that a resume computes again. The pending values also travel inside the
   checkpoint, so a crash between writing it and committing them loses nothing.
 - A resumed run continues the same MLflow run (its id is kept in the run folder), goes back to
   RUNNING, and never logs a step twice.
+
+How a run starts, commits and ends (its status: RUNNING, FINISHED, FAILED, KILLED) is
+klbench.record.lifecycle.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import shutil
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
@@ -30,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from klbench.record import runs, store
 from klbench.record.redact import redact, redact_obj
 
-RETRIES_ENV = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"  # read by MLflow at every request
 CKPT_KEY = "klbench"  # the checkpoint's own section: config, pending metrics, step
 
 
@@ -128,7 +122,7 @@ class RecordLogger(Logger):
         self.client.set_terminated(self.run_id, status)
 
     def finalize(self, status: str) -> None:
-        pass  # Lightning calls this after every validate() and fit(): the run's end is train.run's to say
+        pass  # Lightning calls this after every validate() and fit(): the run's end is klbench.record.lifecycle's to say
 
     def after_save_checkpoint(self, checkpoint_callback) -> None:
         pass  # RecordCheckpoint commits, once the file is in place
@@ -219,88 +213,6 @@ def settle_folder_run(cfg: DictConfig, why: str) -> None:
         logging.getLogger(__name__).warning("could not settle this folder's MLflow run: %s", e)
 
 
-@contextmanager
-def recorded(logger):
-    """Ends the MLflow run FAILED (error tagged) on an exception, KILLED on an interrupt, and re-raises.
-    Metrics computed before a failure are committed: they show how the run failed."""
-    if not isinstance(logger, RecordLogger):
-        yield
-        return
-    try:
-        yield
-    except Exception as e:
-        if logger.client is not None and (why := store_failure(e, logger.client.tracking_uri)):
-            # one quick try to say FAILED: another round of MLflow's minutes of retries helps nobody
-            marked = _end_quietly(logger, "FAILED", why, commit=False, retries=0, say=False)
-            raise RecordUnavailable(why, logger.run_id, marked) from e
-        _end_quietly(logger, "FAILED", f"{type(e).__name__}: {e}", commit=True)
-        raise
-    except BaseException as e:  # KeyboardInterrupt, SystemExit (SIGTERM, a requeue): it may resume
-        _end_quietly(logger, "KILLED", f"interrupted: {type(e).__name__} {e}".strip(), commit=False)
-        raise
-
-
-class RecordUnavailable(RuntimeError):
-    """The store stopped taking the run's record (its server does not answer, its disk is full).
-    The CLI says so in one line, with whether the run is marked FAILED and the command that resumes it."""
-
-    def __init__(self, why: str, run_id: str, marked: bool):
-        super().__init__(why)
-        self.why, self.run_id, self.marked = why, run_id, marked
-
-
-def store_failure(e: BaseException, tracking_uri: str) -> str | None:
-    """What made the record unwritable, in words; None when `e` is another failure. Looks down the chain
-    of causes: MLflow wraps the connection error, SQLAlchemy the SQLite one."""
-    seen: BaseException | None = e
-    while seen is not None:
-        text = str(seen)
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:  # a checkpoint, an artifact
-            where = seen.filename2 or seen.filename or "the run folder"
-            return f"the disk is full (writing {where}; {_free(where)})"
-        if "database or disk is full" in text:  # SQLite, wrapped by SQLAlchemy and MLflow
-            where = store.sqlite_path(tracking_uri) or "the store"
-            return f"the disk is full (writing {where}; {_free(where)})"
-        if "API request to" in text and ("Max retries exceeded" in text or "onnection" in text):
-            return f"the MLflow server {redact(tracking_uri)} does not answer"
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _free(path) -> str:
-    for p in (path, *Path(path).parents):
-        if os.path.exists(p):
-            return f"{shutil.disk_usage(p).free // 1024} KiB free there"
-    return "free space unknown"
-
-
-def _end_quietly(logger: RecordLogger, status: str, why: str, commit: bool, retries: int | None = None,
-                 say: bool = True) -> bool:
-    """Ends the run with `status`; False (and, if `say`, one line, no traceback) when the store refuses."""
-    old = os.environ.get(RETRIES_ENV)
-    if retries is not None:
-        os.environ[RETRIES_ENV] = str(retries)
-    # MLflow logs each failed database write with its traceback; the caller says it in one line instead
-    mlflow_db_log = logging.getLogger("mlflow.store.db.utils")
-    mlflow_db_log.disabled = not say
-    try:
-        if commit:
-            logger.commit()
-        logger.end(status, why)
-        return True
-    except Exception as e:  # the store itself may be what failed; the original error matters more
-        if say:
-            logging.getLogger(__name__).error("could not mark MLflow run %s %s: %s", logger.run_id, status,
-                                              str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
-        return False
-    finally:
-        mlflow_db_log.disabled = False
-        if retries is not None and old is None:
-            del os.environ[RETRIES_ENV]
-        elif retries is not None:
-            os.environ[RETRIES_ENV] = old
-
-
 class RecordCheckpoint(Callback):
     """Writes <ckpt_dir>/last.ckpt after every validation of a fit, atomically (a kill mid-write leaves
     the previous checkpoint whole), with the run's config (passwords in URLs as ***) and pending metrics;
@@ -320,7 +232,7 @@ class RecordCheckpoint(Callback):
         self.save(trainer)
 
     def save(self, trainer) -> None:
-        """Also called by train.run after a final validation outside fit (max_steps not a multiple of
+        """Also called by the training runner after a final validation outside fit (max_steps not a multiple of
         val_every), so that a finished run's last.ckpt is at its last step and says it finished."""
         tmp = self.path + ".tmp"
         trainer.save_checkpoint(tmp, weights_only=False)

@@ -1,4 +1,6 @@
-"""Build a run from a composed config and train it. Hydra-free: takes an OmegaConf config."""
+"""The run's flow: `run`, the entry point of every task (it checks the config and runs the task the registry
+klbench.tasks.TASKS names), and the training of task=rl and task=distill in a Lightning Trainer. Hydra-free:
+takes an OmegaConf config."""
 from __future__ import annotations
 
 import ipaddress
@@ -21,10 +23,11 @@ from lightning.pytorch.plugins.environments import LSFEnvironment, SLURMEnvironm
 from klbench.console import messages as console, progress
 
 from klbench.record import resume, tracking
+from klbench.record.lifecycle import recorded_run
 from klbench.models.policies import build_policy
 from klbench.models.rewards import build_reward
 from klbench.config.schema import validate
-from klbench.tasks import build_task
+from klbench.tasks import build_task, runner
 
 log = logging.getLogger(__name__)
 # LMPolicy keeps its models in eval mode on purpose (no dropout: see policies.py); Lightning's notice about it
@@ -128,16 +131,16 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
-    """Train one run; returns the final validation metrics."""
+    """The entry point of every run: checks the config, then runs its task as the registry
+    (klbench.tasks.TASKS) names it; returns the task's metrics."""
     console.setup()
     check_config(cfg)
     os.makedirs(cfg.paths.outputs, exist_ok=True)
-    if cfg.task.name == "pretrain":
-        from klbench.tasks.pretrain import run_task
-        return run_task(cfg)
-    if cfg.task.name == "probe":  # measures estimators on a policy/reference pair: no Trainer
-        from klbench.tasks.probe import run_task
-        return run_task(cfg)
+    return runner(cfg.task.name)(cfg)
+
+
+def run_training(cfg: DictConfig) -> dict[str, float]:
+    """task=rl, task=distill: train one run, or resume it; returns the final validation metrics."""
     ckpt_path, payload = _resume_from(cfg)
     if payload is not None and resume.finished(payload, cfg) and tracking.run_finished(cfg):
         return _already_finished(cfg, payload, ckpt_path)
@@ -150,34 +153,30 @@ def run(cfg: DictConfig) -> dict[str, float]:
     reward = build_reward(cfg.reward, policy)
     module = build_task(cfg, policy, reward)
     data = build_data(cfg, policy.fixed_prompt, policy)
-    logger = tracking.build_logger(cfg, resume=ckpt_path is not None)
-    if payload is not None and isinstance(logger, tracking.RecordLogger):
-        logger.restore(payload["pending_metrics"])
-    trainer = build_trainer(cfg, logger, cfg.task.max_steps, cfg.task.val_every)
-    with tracking.recorded(logger):
+    pending = payload["pending_metrics"] if payload is not None else None
+    with recorded_run(cfg, resume=ckpt_path is not None, pending=pending) as record:
+        trainer = build_trainer(cfg, record.logger, cfg.task.max_steps, cfg.task.val_every)
         before = None
         if ckpt_path is None:
             trainer.validate(module, datamodule=data, verbose=False)
             before = _val_metrics(trainer.callback_metrics)
-            _commit(logger, 0)
+            record.commit(0)
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         # a validation at the last step, unless fit's own schedule made one (a resume at max_steps made none)
         if trainer.global_step % cfg.task.val_every != 0 or not _val_metrics(trainer.callback_metrics):
             trainer.validate(module, datamodule=data, verbose=False)
             tracking.RecordCheckpoint.of(trainer).save(trainer)
         after = _val_metrics(trainer.callback_metrics)
-        _commit(logger, trainer.global_step)
+        record.commit(trainer.global_step)
         if trainer.is_global_zero:
-            tracking.log_samples(logger, module.sample_tables, cfg)
+            tracking.log_samples(record.logger, module.sample_tables, cfg)
             _print_summary(before, after, trainer.global_step, time.time() - t0)
-            console.print_run_where(cfg, logger)
+            console.print_run_where(cfg, record.logger)
         for key in ("val/reward", "val/seq_kl"):
             if not math.isfinite(after.get(key, float("nan"))):
                 raise FloatingPointError(f"{key} is {after.get(key)} after training: this run is not usable")
         if trainer.global_step < cfg.task.max_steps:
             raise RuntimeError(f"training stopped at step {trainer.global_step} of {cfg.task.max_steps}")
-        if isinstance(logger, tracking.RecordLogger):
-            logger.end("FINISHED")
     return after
 
 
@@ -206,11 +205,6 @@ def _already_finished(cfg: DictConfig, payload: dict, ckpt_path: str) -> dict[st
           "and its record is left as it is. To train it further, raise task.max_steps and add "
           "ckpt_allow_changes=[task.max_steps]")
     return dict(payload["val_metrics"])
-
-
-def _commit(logger, step: int) -> None:
-    if isinstance(logger, tracking.RecordLogger):
-        logger.commit(step)
 
 
 def _val_metrics(metrics) -> dict[str, float]:
