@@ -9,8 +9,8 @@ with e = clip(KL_est / target - 1, -clip, clip),
 
 a PI controller on log beta. KL_est is a value estimate of the sequence KL(pi || pi_ref) on the step's own
 samples (the `signal`) and n the number of sequences in the step. The integral part alone (kp = 0,
-horizon_unit = sequences) is the proportional controller of Ziegler et al. (2019), klbench's before
-issue 18; it stops only where the clipped error averages 0, so the held KL has no steady offset. Alone it
+horizon_unit = sequences) is the proportional controller of Ziegler et al. (2019), klbench's controller
+before issue 18; it stops only where the clipped error averages 0, so the held KL has no steady offset. Alone it
 rings against the policy's lag (docs/kl-control.md derives why and when); the proportional part damps it.
 The horizon counts steps by default because the policy's lag does: an optimiser step moves the policy by
 about the same amount whatever the batch size.
@@ -55,7 +55,7 @@ class AdaptiveKL:
     name = "adaptive"
 
     # defaults: conf/kl_ctl/adaptive.yaml's; kp=0, horizon_unit="sequences" is the controller before issue 18
-    def __init__(self, init_beta: float, target: float, horizon: float = 10.0, clip: float = 0.2,
+    def __init__(self, init_beta: float, target: float, horizon: float = 10.0, clip: float = 0.4,
                  signal: str = "rb", kp: float = 1.0, horizon_unit: str = "steps"):
         for key, v in (("init_beta", init_beta), ("target", target), ("horizon", horizon), ("clip", clip)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
