@@ -82,8 +82,9 @@ def test_a_prompt_longer_than_the_context_is_named_when_the_data_is_loaded(tmp_p
 
 
 def test_a_tabular_step_of_100000_prompts_is_one_block(tmp_path):
-    """task.prompts_per_step=100000 on the tabular model took over 5 minutes a step: past 2^20 / K rows the
-    exact per-position KL looped over sequences in Python (0.3 ms each). The tabular batch is one block."""
+    """task.prompts_per_step=100000 on the tabular model was slow: past 2^20 / K rows the exact per-position
+    KL looped over sequences in Python (what it cost: docs/estimators.md, "Small vocabularies"). The tabular
+    batch is one block."""
     from klbench.estimators import gradient_estimator
     from klbench.models.policies import build_policy
     cfg = compose_cfg(tmp_path, ["experiment=tabular", "task.prompts_per_step=100000"])

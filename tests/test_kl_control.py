@@ -1,4 +1,4 @@
-"""kl_ctl: the adaptive KL controller (klbench/kl_control.py) and its wiring.
+"""kl_ctl: the adaptive KL controller (klbench/tasks/kl_control.py) and its wiring.
 
 The controller's PI update rule and state (and the rule before issue 18 as its kp=0 case); on the tabular
 model, where val/seq_kl is the exact KL(pi || pi_ref), it holds the target at its defaults for three
@@ -20,7 +20,7 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from klbench.kl_control import SIGNALS, AdaptiveKL, FixedKL, build_kl_control
+from klbench.tasks.kl_control import SIGNALS, AdaptiveKL, FixedKL, build_kl_control
 from klbench.config.schema import ConfigError, validate
 from klbench.tasks.train import run
 from test_config import compose_cfg
@@ -116,7 +116,7 @@ def test_controller_refuses_what_would_break_beta():
 def test_signals_are_the_logged_value_estimators():
     from typing import get_args, get_type_hints
 
-    from klbench.kl_control import HORIZON_UNITS
+    from klbench.tasks.kl_control import HORIZON_UNITS
     from klbench.config.schema import KL_SIGNALS, KLCtlAdaptive
     from klbench.tasks.rl import LOGGED_VALUES
     assert set(SIGNALS) == set(LOGGED_VALUES) == set(get_args(KL_SIGNALS))

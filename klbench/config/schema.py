@@ -17,11 +17,10 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and imported from here by callers)
 from klbench.models.prompts_jsonl import read_prompts
 
 
-class ConfigError(ValueError):
-    """A config value no run can use; the message names the field."""
 
 
 def limits(default: Any = MISSING, **meta: Any) -> Any:
@@ -174,14 +173,14 @@ ESTIMATOR_OPTIONS = {name: {f.name: f.default for f in fields(cls) if f.name not
                      for name, cls in ESTIMATORS.items()}
 
 
-# ---- kl_ctl: mirrors klbench.kl_control (pure Python, but kept out of this module's imports) ----
+# ---- kl_ctl: mirrors klbench.tasks.kl_control (pure Python, but kept out of this module's imports) ----
 
 @dataclass
 class KLCtlFixed:
     name: str
 
 
-KL_SIGNALS = Literal["mc", "k2", "k3", "cv_seq", "cv_opt", "rb"]  # klbench.kl_control.SIGNALS
+KL_SIGNALS = Literal["mc", "k2", "k3", "cv_seq", "cv_opt", "rb"]  # klbench.tasks.kl_control.SIGNALS
 
 
 @dataclass
@@ -190,10 +189,10 @@ class KLCtlAdaptive:
     target: float = limits(gt=0)  # nats per sequence
     horizon: float = limits(gt=0)  # integral time, in horizon_unit
     init_beta: float = limits(gt=0)  # the update is multiplicative: 0 would stay 0
-    clip: float = limits(0.2, gt=0)
+    clip: float = limits(0.4, gt=0)
     signal: KL_SIGNALS = "rb"
     kp: float = limits(1.0, ge=0)  # proportional gain on log beta
-    horizon_unit: Literal["steps", "sequences"] = "steps"  # klbench.kl_control.HORIZON_UNITS
+    horizon_unit: Literal["steps", "sequences"] = "steps"  # klbench.tasks.kl_control.HORIZON_UNITS
 
 
 KL_CTLS = {"fixed": KLCtlFixed, "adaptive": KLCtlAdaptive}

@@ -83,7 +83,7 @@ class RB(Estimator):
 
 
 # The value estimators klbench reports, by label: train/kl_<label> at every logged step, the probe's rows,
-# and the signals kl_ctl may use (klbench.kl_control.SIGNALS names them without importing torch).
+# and the signals kl_ctl may use (klbench.tasks.kl_control.SIGNALS names them without importing torch).
 REPORTED: dict[str, tuple[str, dict]] = {
     "mc": ("mc", {}),
     "k2": ("k2", {}),

@@ -17,7 +17,7 @@ from torch import nn
 
 from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
-from klbench.config.schema import ConfigError
+from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
 
 
@@ -204,8 +204,8 @@ class TabularPolicy(Policy):
     def score(self, ro: Rollout) -> KLBatch:
         batch = self.table.batch(self.theta, ro.seq_ids, group=ro.group)
         # the exact per-position KL in one block: its [B, T, K] logits exist whole already, and the default
-        # chunking (2^20 / K rows) would fall back to a Python loop over sequences past 2^18 rows at K = 4,
-        # 0.3 ms each (task.prompts_per_step=30000: 117 s for one step instead of 2 s)
+        # chunking (2^20 / K rows) would fall back to a Python loop over sequences past 2^18 rows at K = 4
+        # (what that cost: docs/estimators.md, "Small vocabularies")
         batch.chunk_rows = max(1, batch.mask.numel())
         return batch
 

@@ -16,7 +16,7 @@ from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.baselines import rloo_advantage
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
-from klbench.kl_control import build_kl_control
+from klbench.tasks.kl_control import build_kl_control
 from klbench.models.policies import Policy, Rollout
 from klbench.tasks.offpolicy import off_policy_step
 
@@ -30,7 +30,7 @@ class RLTask(pl.LightningModule):
         self.policy, self.reward_fn = policy, reward_fn
         opts = {k: v for k, v in estimator_cfg.items() if k not in ("name", "beta")}
         self.estimator = gradient_estimator(estimator_cfg["name"], **opts)
-        # beta lives in the controller (klbench/kl_control.py): estimator.beta when kl_ctl=fixed
+        # beta lives in the controller (klbench/tasks/kl_control.py): estimator.beta when kl_ctl=fixed
         self.kl_ctl = build_kl_control(kl_ctl_cfg, float(estimator_cfg["beta"]))
         self.cfg = dict(task_cfg)
         self.values = {label: value_estimator(name, **o) for label, (name, o) in LOGGED_VALUES.items()}
