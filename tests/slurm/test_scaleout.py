@@ -160,6 +160,7 @@ def test_preempted_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     assert {k: kid.data.metrics[k] for k in straight} == pytest.approx(straight, rel=1e-6)
 
 
+@pytest.mark.slow  # minutes by design (a 2-minute SLURM time limit, requeued until done): docs/scale-out.md
 def test_trial_over_its_time_limit_is_requeued_until_done(slurm_cluster, tmp_path):
     """A 2-minute limit with a 30-second warning. Slurm may send the warning up to 60 s early, so an attempt
     lasts 30 to 90 s. 100000 tabular steps need several attempts, even at the fastest step time measured
