@@ -161,7 +161,7 @@ LAYERS = {
     "probe": {"estimators", "exact", "models", "console"},
     "analysis": {"exact", "record", "console"},
     "tasks": {"estimators", "exact", "models", "probe", "record", "console", "config"},
-    "config": {"models", "record"},
+    "config": {"estimators", "probe", "models", "record"},  # the edge: options are declared below it
     "libraries": {"estimators", "exact", "record", "analysis", "console"},
     "sweep": {"estimators", "exact", "models", "record", "console", "analysis", "config", "tasks"},
     "cli": {"estimators", "exact", "record", "console", "models", "probe", "analysis", "tasks", "config", "sweep"},

@@ -12,22 +12,18 @@ no critic, no PPO clip): loss = sum_t w_t * sg(sum_{s>=t} kl_s) with w_t = exp(l
 from __future__ import annotations
 
 import ast
-import importlib.util
-import os
 
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import Library, LibraryMissing, Setting, old_or_current, require, reward_to_go_surrogate
+from klbench.libraries.base import (Library, LibraryMissing, Setting, old_or_current, package_file, require,
+                                   reward_to_go_surrogate)
 
 DIST, SUPPORTED = "areal", "1.0.4"
 
 
 def _load_class():
-    spec = importlib.util.find_spec("areal")
-    if spec is None or not spec.submodule_search_locations:
-        raise LibraryMissing(f"{DIST}: package files not found")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "utils", "data.py")
+    path = package_file(DIST, "utils", "data.py")
     tree = ast.parse(open(path).read(), path)
     nodes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KLEstimator"]
     if len(nodes) != 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import importlib.util
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -18,6 +19,15 @@ LossFn = Callable[[KLBatch], torch.Tensor]
 
 class LibraryMissing(RuntimeError):
     """The library is absent, of another version, or cannot be imported here; str() is the one-line reason."""
+
+
+def package_file(dist: str, *parts: str) -> str:
+    """The path of a file inside an installed package, found without importing the package (whose
+    __init__ may pull in what klbench does not install: ray, deepspeed, a whole runtime)."""
+    spec = importlib.util.find_spec(dist)
+    if spec is None or not spec.submodule_search_locations:
+        raise LibraryMissing(f"{dist}: package files not found")
+    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
 
 
 @dataclass

@@ -13,23 +13,19 @@ Not covered yet: the KL-in-reward path (compute_reward).
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import types
 
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import Library, LibraryMissing, Setting, require, source_of, token_sum
+from klbench.libraries.base import Library, package_file, Setting, require, source_of, token_sum
 
 DIST, SUPPORTED = "openrlhf", "0.11.2"
 
 
 def _load_utils():
-    spec = importlib.util.find_spec("openrlhf")
-    if spec is None or not spec.submodule_search_locations:
-        raise LibraryMissing(f"{DIST}: package files not found")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "models", "utils.py")
+    path = package_file(DIST, "models", "utils.py")
     mod_spec = importlib.util.spec_from_file_location("klbench_openrlhf_models_utils", path)
     module = importlib.util.module_from_spec(mod_spec)
     had = "deepspeed" in sys.modules
