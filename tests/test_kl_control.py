@@ -117,9 +117,9 @@ def test_signals_are_the_logged_value_estimators():
     from typing import get_args, get_type_hints
 
     from klbench.tasks.kl_control import HORIZON_UNITS
-    from klbench.config.schema import KL_SIGNALS, KLCtlAdaptive
+    from klbench.config.schema import KLCtlAdaptive
     from klbench.tasks.rl import LOGGED_VALUES
-    assert set(SIGNALS) == set(LOGGED_VALUES) == set(get_args(KL_SIGNALS))
+    assert set(SIGNALS) == set(LOGGED_VALUES) == set(get_args(get_type_hints(KLCtlAdaptive)["signal"]))
     assert set(HORIZON_UNITS) == set(get_args(get_type_hints(KLCtlAdaptive)["horizon_unit"]))
 
 

@@ -10,7 +10,8 @@ import torch
 
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.models.policies import TabularPolicy
-from klbench.probe.measure import BATCH_FITTED, ProbeConfig, gradient_variants, run_probe, value_variants
+from klbench.probe.config import ProbeOptions
+from klbench.probe.measure import BATCH_FITTED, gradient_variants, run_probe, value_variants
 from klbench.probe.stats import CountSketch, Welford, bootstrap_weights
 from klbench.exact.tabular import TabularModel
 from tiny_lms import save_sharpened_variant
@@ -75,7 +76,7 @@ def tabular_probes():
     out = []
     for inst in INSTANCES:
         policy = _policy(*inst)
-        cfg = ProbeConfig(samples=MX, grad_samples=MG, replicates=400, bootstrap=400, seed=7)
+        cfg = ProbeOptions(samples=MX, grad_samples=MG, replicates=400, bootstrap=400, seed=7)
         r95 = run_probe(policy, ["<t>"] * P, cfg, progress=False)
         r99 = r95.at_level(0.99)
         out.append((inst, r95, r99, _exact(policy, cfg.sizes)))
@@ -149,7 +150,7 @@ def test_welford_sketch_and_bootstrap_weights():
 
 def test_probe_restores_the_rng_and_repeats_itself():
     policy = _policy(3, 3, None, 100, 200, 1.0)
-    cfg = ProbeConfig(samples=2, grad_samples=2, replicates=5, bootstrap=20, gradient_estimators=["rb", "seq"],
+    cfg = ProbeOptions(samples=2, grad_samples=2, replicates=5, bootstrap=20, gradient_estimators=["rb", "seq"],
                       value_estimators=["mc", "rb"])
     torch.manual_seed(123)
     state = torch.get_rng_state()
@@ -159,13 +160,13 @@ def test_probe_restores_the_rng_and_repeats_itself():
     assert str(a.values) == str(b.values) and str(a.gradients) == str(b.gradients)  # (nan != nan)
     assert all(p.grad is None for p in policy.trainable())  # .grad is never touched
     # project_dim: the moments run in a fixed CountSketch (said in the meta); the statistics stay finite
-    sk = run_probe(policy, ["<t>"], ProbeConfig(**{**cfg.__dict__, "project_dim": 16}), progress=False)
+    sk = run_probe(policy, ["<t>"], ProbeOptions(**{**cfg.model_dump(), "project_dim": 16}), progress=False)
     assert sk.meta["gradient_space"] == "CountSketch 16" and a.meta["gradient_space"] == "exact"
     assert all(math.isfinite(r["trace_cov"]) and r["trace_cov"] > 0 for r in sk.gradients)
     with pytest.raises(ValueError, match="unknown gradient estimator"):
-        run_probe(policy, ["<t>"], ProbeConfig(gradient_estimators=["nope"]), progress=False)
+        run_probe(policy, ["<t>"], ProbeOptions(gradient_estimators=["nope"]), progress=False)
     with pytest.raises(ValueError, match="grad_samples"):
-        ProbeConfig(samples=2, grad_samples=4)
+        ProbeOptions(samples=2, grad_samples=4)
 
 
 def test_probe_task_reads_a_checkpoint_and_writes_the_record(tmp_path, single_thread):
@@ -239,7 +240,7 @@ def test_probe_every_does_not_shift_training(tmp_path, single_thread):
 @pytest.mark.parametrize("overrides,match", [
     (["task.replicates=1"], "task.replicates must be an integer >= 2"),
     (["task.grad_samples=64"], "task.grad_samples=64 must be <= task.samples=32"),
-    (["task.ci_level=1.5"], "task.ci_level must be a number in"),
+    (["task.ci_level=1.5"], r"task.ci_level must be a finite number in \(0, 1\), got 1.5"),
     (["task.gradient_estimators=[]"], "task.gradient_estimators must be null or a non-empty list"),
 ])
 def test_bad_probe_options_are_refused(tmp_path, overrides, match):

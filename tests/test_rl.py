@@ -172,7 +172,7 @@ def test_ddp_two_cpu_processes(tmp_path):
 def test_clamps_that_fire_reach_the_record(tmp_path):
     """estimate(batch).n_clamped, logged at every logged step as train/n_clamped: a clamp this tight fires
     on most tokens, and no clamp logs no count."""
-    cfg = compose_cfg(tmp_path, TABULAR + ["estimator=naive_cv", "+estimator.clamp=0.01", "task.max_steps=10",
+    cfg = compose_cfg(tmp_path, TABULAR + ["estimator=naive_cv", "estimator.clamp=0.01", "task.max_steps=10",
                                            "task.log_every=1"])
     run(cfg)
     client, runs = mlflow_run(cfg)

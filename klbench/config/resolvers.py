@@ -9,6 +9,15 @@ klbench.config.compose both call (nothing is registered as a side effect of an i
 | klbench_tracking_uri | $MLFLOW_TRACKING_URI, else the outputs folder's SQLite store | store.mlflow |
 | klbench_claim | a run or sweep folder no other process shares (klbench.record.rundir) | hydra.run.dir, hydra.sweep.dir |
 | klbench_cache | the per-user cache of embedded models (klbench.models.embedded.cache) | paths.cache |
+
+It also puts the declared defaults of the options models into Hydra's ConfigStore, as root configs that
+conf/ pulls into its groups with its defaults lists (conf/task/probe.yaml: `- /probe_options@_here_`), so
+that the yaml files hold only what differs and every option is still a key of the composed config:
+
+| config | the defaults of | pulled in by |
+|---|---|---|
+| probe_options | klbench.probe.config.ProbeOptions | conf/task/probe.yaml, conf/task/rl.yaml (task.probe) |
+| naive_cv_options, in_reward_options, in_loss_options | klbench.estimators.options | conf/estimator/<name>.yaml |
 """
 from __future__ import annotations
 
@@ -24,7 +33,8 @@ def sweep_names() -> str:
 
 
 def register() -> None:
-    """Registers every klbench resolver (again: replace=True, so calling twice is harmless)."""
+    """Registers every klbench resolver and the options' defaults (again: replace=True, and ConfigStore
+    overwrites, so calling twice is harmless)."""
     from klbench.models.embedded.cache import cache_dir
     from klbench.record import rundir, store
     resolvers = {
@@ -38,3 +48,13 @@ def register() -> None:
     }
     for name, (fn, cache) in resolvers.items():
         OmegaConf.register_resolver(name, fn, use_cache=cache, replace=True)
+    _store_option_defaults()
+
+
+def _store_option_defaults() -> None:
+    from hydra.core.config_store import ConfigStore
+    from klbench.estimators.options import GRADIENT_OPTIONS
+    from klbench.probe.config import ProbeOptions
+    store = ConfigStore.instance()
+    for name, model in {**GRADIENT_OPTIONS, "probe": ProbeOptions}.items():
+        store.store(name=f"{name}_options", node=model().model_dump(), replace=True)

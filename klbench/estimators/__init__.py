@@ -1,14 +1,29 @@
 """Pure-torch KL value and gradient estimators (no Lightning, no Hydra).
 
     from klbench.estimators import KLBatch, value_estimator, gradient_estimator
-"""
-from klbench.estimators import gradients as _gradients  # noqa: F401  (registers)
-from klbench.estimators import placement as _placement  # noqa: F401  (registers in_reward, in_loss)
-from klbench.estimators import values as _values  # noqa: F401  (registers)
-from klbench.estimators.base import (GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, Estimate, Estimator, gradient_estimator,
-                                     value_estimator)
-from klbench.estimators.batch import KLBatch
-from klbench.estimators.chunked import exact_token_kl, exact_token_kl_naive
 
-__all__ = ["KLBatch", "value_estimator", "gradient_estimator", "VALUE_ESTIMATORS", "GRADIENT_ESTIMATORS",
-           "Estimate", "Estimator", "exact_token_kl", "exact_token_kl_naive"]
+The names below load on first use (a module __getattr__, PEP 562), and with them every estimator module,
+which registers its estimators. Importing the package alone imports no torch, so that the config schema
+can read klbench.estimators.options, the torch-free declarations of the estimators' options, before torch
+is imported.
+"""
+from __future__ import annotations
+
+_NAMES = {"KLBatch": "batch", "value_estimator": "base", "gradient_estimator": "base", "VALUE_ESTIMATORS": "base",
+          "GRADIENT_ESTIMATORS": "base", "Estimate": "base", "Estimator": "base", "exact_token_kl": "chunked",
+          "exact_token_kl_naive": "chunked"}
+__all__ = list(_NAMES)
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:  # a submodule (`from klbench.estimators import values`) is imported by Python then
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from klbench.estimators import base, batch, chunked
+    from klbench.estimators import gradients, placement, values  # noqa: F401  (register, in this order)
+    modules = {"base": base, "batch": batch, "chunked": chunked}
+    globals().update({n: getattr(modules[m], n) for n, m in _NAMES.items()})
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_NAMES})

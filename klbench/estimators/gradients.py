@@ -11,6 +11,7 @@ from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimate, Estimator, c
                                      reward_to_go, seq_sum)
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.baselines import leave_one_out_mean
+from klbench.estimators.options import ControlVariateOptions
 
 gradient = register(GRADIENT_ESTIMATORS)
 
@@ -40,7 +41,7 @@ class NaiveCV(Estimator):
     """
 
     name = "naive_cv"
-    defaults = {"lam": 1.0, "level": "token", "clamp": None}
+    defaults = ControlVariateOptions().model_dump()
 
     def compute(self, batch: KLBatch) -> Estimate:
         return control_variate(batch, self.lam, self.level, self.clamp)

@@ -27,10 +27,9 @@ import torch
 from klbench.estimators.base import GRADIENT_ESTIMATORS, Estimate, Estimator, register, reward_to_go, seq_sum
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.baselines import leave_one_out_mean
+from klbench.estimators.options import InLossOptions, InRewardOptions, literal_choices
 
 gradient = register(GRADIENT_ESTIMATORS)
-
-VALUES = ("k1", "k2", "k3", "cv")
 
 
 def value_terms(batch: KLBatch, value: str, lam: float, level: str) -> tuple[torch.Tensor, bool]:
@@ -107,9 +106,8 @@ class InReward(_Placement):
 
     name = "in_reward"
     off_policy = True
-    defaults = {"value": "k1", "lam": 1.0, "level": "token", "form": "sequence", "baseline": "none",
-                "max_weight": None}
-    choices = {"value": VALUES, "form": ("sequence", "reward_to_go"), "baseline": ("none", "loo")}
+    defaults = InRewardOptions().model_dump()
+    choices = literal_choices(InRewardOptions)
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -167,9 +165,8 @@ class InLoss(_Placement):
 
     name = "in_loss"
     off_policy = True  # with a ratio; ratio="none" refuses (supports_off_policy)
-    defaults = {"value": "k1", "lam": 1.0, "level": "token", "ratio": "token", "ratio_grad": "detached",
-                "max_weight": None}
-    choices = {"value": VALUES, "ratio": ("none", "token", "sequence"), "ratio_grad": ("detached", "differentiable")}
+    defaults = InLossOptions().model_dump()
+    choices = literal_choices(InLossOptions)
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -5,6 +5,7 @@ import torch
 
 from klbench.estimators.base import VALUE_ESTIMATORS, Estimate, Estimator, control_variate, register, seq_sum
 from klbench.estimators.batch import KLBatch
+from klbench.estimators.options import REPORTED_VALUES, ControlVariateOptions
 
 value = register(VALUE_ESTIMATORS)
 
@@ -40,7 +41,7 @@ class CV(Estimator):
     """
 
     name = "cv"
-    defaults = {"lam": 1.0, "level": "token", "clamp": None}
+    defaults = ControlVariateOptions().model_dump()
 
     def compute(self, batch: KLBatch) -> Estimate:
         out = control_variate(batch, self.lam, self.level, self.clamp)
@@ -82,13 +83,5 @@ class RB(Estimator):
         return seq_sum(batch.kappa).detach()
 
 
-# The value estimators klbench reports, by label: train/kl_<label> at every logged step, the probe's rows,
-# and the signals kl_ctl may use (klbench.tasks.kl_control.SIGNALS names them without importing torch).
-REPORTED: dict[str, tuple[str, dict]] = {
-    "mc": ("mc", {}),
-    "k2": ("k2", {}),
-    "k3": ("cv", {"lam": 1.0, "level": "token"}),
-    "cv_seq": ("cv", {"lam": 1.0, "level": "sequence"}),
-    "cv_opt": ("cv_opt", {}),
-    "rb": ("rb", {}),
-}
+# The value estimators klbench reports, by label (declared without torch in klbench.estimators.options).
+REPORTED = REPORTED_VALUES

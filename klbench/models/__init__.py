@@ -1,1 +1,5 @@
 """Policies, Hugging Face and embedded models, rewards and prompt data."""
+
+# the dtypes a model loads in (model.dtype), by torch's name: klbench.models.hf maps them to torch's dtypes,
+# klbench.config.schema checks them before torch is imported
+DTYPES = ("float32", "bfloat16", "float16")

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klbench.console import messages as console
+from klbench.models import DTYPES
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,7 @@ def context_length(config) -> tuple[str, int] | None:
 
 # ----------------------------------------------------------------------------- loading (hub id or local path)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def hub_offline() -> bool:

@@ -3,8 +3,9 @@ measured by sampling, with bootstrap confidence intervals. Pure torch: no Lightn
 statistics themselves are klbench.probe.stats; tables, files and plots of a result are klbench.probe.report.
 
     from klbench.probe import report
-    from klbench.probe.measure import ProbeConfig, run_probe
-    result = run_probe(policy, prompts, ProbeConfig(samples=32, replicates=128))
+    from klbench.probe.config import ProbeOptions
+    from klbench.probe.measure import run_probe
+    result = run_probe(policy, prompts, ProbeOptions(samples=32, replicates=128))
     print(report.summary(result))
 
 `policy` is anything with `rollout(prompts, n)`, `score(rollout) -> KLBatch` and `trainable()` (klbench's
@@ -44,6 +45,7 @@ import torch
 
 from klbench.estimators import GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, KLBatch, gradient_estimator, value_estimator
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
+from klbench.probe.config import ProbeOptions
 from klbench.probe.stats import CountSketch, Welford, bootstrap_weights, fill, ratio
 
 # value estimators probed, label -> (registered name, options); registered names not covered join with defaults
@@ -77,46 +79,6 @@ def _select(variants: dict, labels: list[str] | None, kind: str) -> dict:
     if unknown:
         raise ValueError(f"unknown {kind} estimator(s) {unknown} for the probe; valid: {', '.join(variants)}")
     return {lab: variants[lab] for lab in labels}
-
-
-@dataclass
-class ProbeConfig:
-    samples: int = 32  # M_max: samples per prompt per replicate for the value estimators
-    grad_samples: int = 4  # samples per prompt in one per-batch gradient (<= samples)
-    replicates: int = 64  # R
-    ref_batches: int = 8  # reference: batches of ref_samples samples per prompt (LMs; tabular is exact)
-    ref_samples: int = 32
-    seed: int = 4321
-    bootstrap: int = 1000  # resamples of the R replicates
-    ci_level: float = 0.95
-    boot_dim: int = 2048  # CountSketch size for the gradient bootstrap's cross term (identity below it)
-    project_dim: int | None = None  # None: moments over every trainable parameter; k: in a k-dim CountSketch
-    value_estimators: list[str] | None = None  # labels of value_variants(); None: all
-    gradient_estimators: list[str] | None = None  # labels of gradient_variants(); None: all
-
-    def __post_init__(self) -> None:
-        for key in ("samples", "grad_samples", "replicates", "ref_batches", "ref_samples", "bootstrap", "boot_dim"):
-            v = getattr(self, key)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-                raise ValueError(f"probe {key} must be an integer >= 1, got {v!r}")
-        if self.replicates < 2:
-            raise ValueError(f"probe replicates must be >= 2 to estimate a variance, got {self.replicates}")
-        if self.grad_samples > self.samples:
-            raise ValueError(f"probe grad_samples ({self.grad_samples}) must be <= samples ({self.samples}): the "
-                             "gradient batch reuses the first grad_samples of each prompt's samples")
-        if not 0 < self.ci_level < 1:
-            raise ValueError(f"probe ci_level must be in (0, 1), got {self.ci_level}")
-        if self.project_dim is not None and not (isinstance(self.project_dim, int) and self.project_dim >= 1):
-            raise ValueError(f"probe project_dim must be null or an integer >= 1, got {self.project_dim!r}")
-
-    @property
-    def sizes(self) -> list[int]:
-        """M = 1, 2, 4, ... up to M_max (M_max included even when it is not a power of two)."""
-        out, m = [], 1
-        while m <= self.samples:
-            out.append(m)
-            m *= 2
-        return out if out[-1] == self.samples else out + [self.samples]
 
 
 @dataclass
@@ -199,7 +161,7 @@ def _peak_rss_mb() -> float:
 
 # ---- the probe ----
 
-def run_probe(policy, prompts: list[str], cfg: ProbeConfig, progress: bool = True,
+def run_probe(policy, prompts: list[str], cfg: ProbeOptions, progress: bool = True,
               log: Callable[[str], None] | None = None) -> ProbeResult:
     """Measure every value and gradient estimator on `policy` (pi) against its reference (pi_ref).
 
@@ -215,7 +177,7 @@ def run_probe(policy, prompts: list[str], cfg: ProbeConfig, progress: bool = Tru
         return _run(policy, list(prompts), cfg, progress, log or (lambda s: None))
 
 
-def _run(policy, prompts: list[str], cfg: ProbeConfig, progress: bool, log) -> ProbeResult:
+def _run(policy, prompts: list[str], cfg: ProbeOptions, progress: bool, log) -> ProbeResult:
     t_start = time.perf_counter()
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
@@ -315,7 +277,7 @@ def _run(policy, prompts: list[str], cfg: ProbeConfig, progress: bool, log) -> P
     return ProbeResult(value_rows, grad_rows_out, meta, rows_at)
 
 
-def _lm_references(policy, prompts, cfg: ProbeConfig, params, vec, dim, progress):
+def _lm_references(policy, prompts, cfg: ProbeOptions, params, vec, dim, progress):
     """rb on pi's samples: the value reference per prompt and the kl_pi_ref gradient; on pi_ref's samples,
     -grad log pi(y): the kl_ref_pi gradient. Each batch: every prompt, ref_samples samples."""
     P, n = len(prompts), cfg.ref_samples

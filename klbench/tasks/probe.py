@@ -19,16 +19,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from klbench.probe import measure as P, report
+from klbench.probe.config import ProbeOptions
 from klbench.record import resume
 from klbench.record.lifecycle import recorded_run
 
-OPTION_KEYS = ("samples", "grad_samples", "replicates", "ref_batches", "ref_samples", "seed", "bootstrap",
-               "ci_level", "boot_dim", "project_dim", "value_estimators", "gradient_estimators")
 
-
-def probe_config(options) -> P.ProbeConfig:
+def probe_config(options) -> ProbeOptions:
+    """The probe's options from task (task=probe: beside name and max_new_tokens) or task.probe."""
     opts = OmegaConf.to_container(options, resolve=True) if isinstance(options, DictConfig) else dict(options)
-    return P.ProbeConfig(**{k: opts[k] for k in OPTION_KEYS if k in opts})
+    return ProbeOptions(**{k: opts[k] for k in ProbeOptions.model_fields if k in opts})
 
 
 def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
@@ -88,5 +87,6 @@ def _run_name(cfg: DictConfig, step: int) -> str:
 def probe_during_training(policy, prompts: list[str], options) -> dict[str, float]:
     """probe/* metrics of a small probe of the current policy; its samples come from the probe's own
     stream (run_probe restores the RNG state), so training is not shifted."""
-    prompts = list(dict.fromkeys(prompts))[: int(options["prompts"])]
-    return report.training_metrics(P.run_probe(policy, prompts, probe_config(options), progress=False))
+    pcfg = probe_config(options)
+    prompts = list(dict.fromkeys(prompts))[: pcfg.prompts]
+    return report.training_metrics(P.run_probe(policy, prompts, pcfg, progress=False))

@@ -1,0 +1,81 @@
+"""The estimators' options, declared once and without torch: pydantic models read by the torch estimators
+(their `defaults`), by the config schema (klbench.config.schema, before torch is imported), and by Hydra
+(conf/estimator/*.yaml take their defaults from these models: klbench.config.resolvers.register).
+
+Importing this module imports no torch: klbench/estimators/__init__.py loads the torch modules only when one
+of the package's names (KLBatch, value_estimator, ...) is first used. The alternative, a torch-free module
+outside the package, would put the estimators' options away from the estimators.
+
+`Options` is the base of every klbench options model (here, klbench.probe.config, the schema): unknown keys,
+NaN and inf refused, no coercion (a bool is not a number, "1" is not 1; an int is a float), immutable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Annotated[..., Expect("what the field must be")]: how an error message describes a field whose
+    annotation does not say it (klbench.config.explain words every other message from the annotation)."""
+    text: str
+
+
+def literal_choices(model: type[BaseModel]) -> dict[str, tuple]:
+    """The values of each Literal field: {"form": ("sequence", "reward_to_go"), ...} for InRewardOptions."""
+    return {k: get_args(f.annotation) for k, f in model.model_fields.items() if get_origin(f.annotation) is Literal}
+
+
+Level = Literal["token", "sequence"]
+
+
+class Multiplier(Options):
+    """The control variate rho + lam (exp(-rho) - 1), per token (level=token) or per sequence."""
+    lam: float = 1.0
+    level: Level = "token"
+
+
+class ControlVariateOptions(Multiplier):
+    """cv (value estimator) and naive_cv (gradient estimator): clamp=c clamps the estimate to [-c, c]."""
+    clamp: Optional[float] = Field(None, gt=0)
+
+
+class PlacementOptions(Multiplier):
+    """in_reward and in_loss (klbench.estimators.placement): the value placed, and the truncation of the
+    importance weights. lam and level apply to value=cv only."""
+    value: Literal["k1", "k2", "k3", "cv"] = "k1"
+    max_weight: Optional[float] = Field(None, gt=0)
+
+
+class InRewardOptions(PlacementOptions):
+    form: Literal["sequence", "reward_to_go"] = "sequence"
+    baseline: Literal["none", "loo"] = "none"
+
+
+class InLossOptions(PlacementOptions):
+    ratio: Literal["none", "token", "sequence"] = "token"
+    ratio_grad: Literal["detached", "differentiable"] = "detached"
+
+
+# the estimators with options, by registered name; every other estimator takes none
+GRADIENT_OPTIONS: dict[str, type[Options]] = {"naive_cv": ControlVariateOptions, "in_reward": InRewardOptions,
+                                              "in_loss": InLossOptions}
+VALUE_OPTIONS: dict[str, type[Options]] = {"cv": ControlVariateOptions}
+
+# The value estimators klbench reports, by label -> (registered name, options): train/kl_<label> at every
+# logged step, the probe's rows, and the signals kl_ctl may use.
+REPORTED_VALUES: dict[str, tuple[str, dict]] = {
+    "mc": ("mc", {}),
+    "k2": ("k2", {}),
+    "k3": ("cv", {"lam": 1.0, "level": "token"}),
+    "cv_seq": ("cv", {"lam": 1.0, "level": "sequence"}),
+    "cv_opt": ("cv_opt", {}),
+    "rb": ("rb", {}),
+}
