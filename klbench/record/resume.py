@@ -81,7 +81,8 @@ def load_payload(path: str) -> dict:
     except pickle.UnpicklingError:
         raise ResumeError(f"{path} is not a klbench checkpoint: it holds Python objects that klbench never "
                           "saves, so it is not loaded") from None
-    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as e:
+    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError) as e:
+        # random bytes reach torch's legacy unpickler, which fails with whatever the bytes happen to say
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ResumeError(f"{path} is not a klbench checkpoint: it cannot be read as one ({first[:200]})") from None
     if not isinstance(ckpt, dict) or "klbench" not in ckpt or "config" not in ckpt["klbench"]:
