@@ -22,7 +22,7 @@ def test_every_group_has_options():
     for group, options in GROUPS.items():
         assert options, f"conf/{group} is empty"
     assert set(GROUPS["estimator"]) == {"naive_mc", "naive_cv", "token", "seq", "cumulative", "loo", "rb",
-                                        "in_reward", "in_loss"}
+                                        "in_reward", "in_loss", "library", "trl_grpo", "verl_low_var_kl"}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -37,9 +37,17 @@ def test_estimator_option_builds(tmp_path, name):
     from klbench.tasks.train import check_config
     cfg = compose_cfg(tmp_path, [f"estimator={name}"])
     check_config(cfg)
+    est = cfg.estimator.name  # `name`, or for a named library setting (trl_grpo) "library"
+    if est == "library":
+        from klbench.libraries import LibraryMissing, load
+        try:
+            load(cfg.estimator.setting.split(".")[0])
+        except LibraryMissing as e:
+            pytest.skip(f"estimator={name}: {e}")
+        import klbench.libraries.estimator  # noqa: F401  registers "library", as the RL task does
     opts = {k: v for k, v in cfg.estimator.items() if k not in ("name", "beta")}
-    assert gradient_estimator(name, **opts).name == name
-    assert set(opts) <= set(GRADIENT_ESTIMATORS[name].defaults)
+    assert gradient_estimator(est, **opts).name == est
+    assert set(opts) <= set(GRADIENT_ESTIMATORS[est].defaults)
 
 
 # ---- what only the built model tells: its context (tiny_lm_dir: n_positions=64) ----

@@ -160,7 +160,7 @@ LAYERS = {
     "models": {"estimators", "exact", "console"},
     "probe": {"estimators", "exact", "models", "console"},
     "analysis": {"exact", "record", "console"},
-    "tasks": {"estimators", "exact", "models", "probe", "record", "console", "config"},
+    "tasks": {"estimators", "exact", "models", "probe", "record", "console", "config", "libraries"},
     "config": {"estimators", "probe", "models", "record"},  # the edge: options are declared below it
     "libraries": {"estimators", "exact", "record", "analysis", "console"},
     "sweep": {"estimators", "exact", "models", "record", "console", "analysis", "config", "tasks"},

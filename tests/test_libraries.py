@@ -67,6 +67,25 @@ EXPECTED[("verl.kl_in_reward.low_var_kl", "off")] = ("none of the above", True)
 for kind, (on, off, clamp) in VERL.items():
     EXPECTED[(f"verl.kl_penalty.{kind}", "on")] = (on, clamp)
     EXPECTED[(f"verl.kl_penalty.{kind}", "off")] = (off, clamp)
+# the actor's whole ppo_loss (advantages 0) audits as kl_penalty alone: verl's KL loss takes no ratio. Its
+# off-policy clamp is the policy term's PPO ratio clip (core_algos.py compute_policy_loss_vanilla), on a zero
+# advantage; on-policy the ratio is 1 and only kl_penalty's own clamps can fire
+for kind in ("low_var_kl", "kl", "low_var_kl+"):
+    on, off, clamp = VERL[kind]
+    EXPECTED[(f"verl.ppo_loss.{kind}", "on")] = (on, clamp)
+    EXPECTED[(f"verl.ppo_loss.{kind}", "off")] = (off, True)
+# per-sequence token mean: each sequence's KL weighed by 1 / its length, like trl.grpo.loss_grpo
+EXPECTED[("verl.ppo_loss.low_var_kl.seq_mean_token_mean", "on")] = ("none of the above", True)
+EXPECTED[("verl.ppo_loss.low_var_kl.seq_mean_token_mean", "off")] = ("none of the above", True)
+# OpenRLHF's KL in the reward (compute_reward), return-to-go REINFORCE (klbench's): k1 is the score-function
+# gradient of KL(pi||pi_ref) on-policy; off-policy the reward is pi_old's k1 (as verl.kl_in_reward.kl). k2's
+# mean is not the KL, and k3's detached value drops E[grad k3] != 0 (and its [-10, 10] clamp fires).
+EXPECTED[("openrlhf.reward.k1", "on")] = ("kl_pi_ref", False)
+EXPECTED[("openrlhf.reward.k1", "off")] = ("none of the above", False)
+EXPECTED[("openrlhf.reward.k2", "on")] = ("none of the above", False)
+EXPECTED[("openrlhf.reward.k2", "off")] = ("none of the above", False)
+EXPECTED[("openrlhf.reward.k3", "on")] = ("none of the above", True)
+EXPECTED[("openrlhf.reward.k3", "off")] = ("none of the above", True)
 
 _LIBS: dict = {}
 
@@ -116,6 +135,28 @@ def test_every_setting_has_an_expected_cell():
 def test_rloo_off_policy_relative_errors_as_in_the_issue():
     assert _cell("trl.rloo", "off").rel_errors["kl_pi_ref"] == pytest.approx(0.58, abs=0.02)
     assert _cell("trl.rloo.no_clip", "off").rel_errors["kl_pi_ref"] == pytest.approx(0.41, abs=0.02)
+
+
+def test_verl_ppo_loss_per_sequence_split_is_exact():
+    """One-sequence calls sum to verl's ppo_loss on the whole padded batch with the same batch_num_tokens."""
+    lib = _library("verl")
+    from klbench.exact.tabular import default_instances
+    from klbench.libraries import verl as adapter
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    model, theta = default_instances()[1]  # the instance with EOS: rows of different lengths
+    batch = model.batch(theta.clone().requires_grad_(), torch.arange(model.N))
+    per_row = lib.settings["verl.ppo_loss.low_var_kl"].loss(batch)  # [B]
+    config = adapter._actor_config(ActorConfig, {})
+    rows = [adapter._row_data(batch, b, batch.logp.detach(), batch.ref_logp) for b in range(batch.logp.shape[0])]
+    flat = torch.cat([out["log_probs"] for out, _ in rows])  # [total_nnz] every sequence, prompt + response
+    data = torch.cat([d.exclude("dp_size", "batch_num_tokens", "global_batch_size") for _, d in rows])
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=1, global_batch_size=1)
+    whole, _ = ppo_loss(config, {"log_probs": flat}, data)
+    assert whole.item() == pytest.approx(per_row.sum().item(), rel=1e-12)
+    assert bool((batch.mask.sum(-1) < batch.mask.shape[1]).any())  # padding was exercised
 
 
 def test_torchtune_has_no_grpo_loss():
@@ -182,5 +223,5 @@ def test_library_setting_as_a_gradient_estimator(name, match):
     est = gradient_estimator("library", setting=name)
     assert isinstance(est, LibraryGradient)
     assert audit(est, tol=1e-5).match == match
-    with pytest.raises(ValueError, match=r"unknown setting 'trl\.nope'; valid: trl\.grpo"):
+    with pytest.raises(ValueError, match=r"estimator.setting=trl\.nope: trl 1\.16\.0 has no such setting; valid: trl\.grpo"):
         LibraryGradient(setting="trl.nope")

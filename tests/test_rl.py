@@ -183,3 +183,35 @@ def test_clamps_that_fire_reach_the_record(tmp_path):
     run(cfg)
     client, runs = mlflow_run(cfg)
     assert "train/n_clamped" not in runs[0].data.metrics
+
+
+def test_a_library_setting_trains_as_the_estimator(tmp_path):
+    """estimator=trl_grpo runs TRL's own GRPO KL code as the loss (its gradient: partial_kl_pi_ref, see
+    docs/libraries.md): with beta = 3 it holds the policy nearer pi_ref than the same run with beta = 0, and
+    the run records the setting."""
+    from klbench.libraries import LibraryMissing, load
+    try:
+        load("trl")
+    except LibraryMissing as e:
+        pytest.skip(str(e))
+    kl = {}
+    for beta in (0.0, 3.0):
+        cfg = compose_cfg(tmp_path / f"beta{beta}", TABULAR + ["estimator=trl_grpo", f"estimator.beta={beta}",
+                                                               "task.max_steps=20", "task.val_every=20"])
+        kl[beta] = run(cfg)["val/seq_kl"]
+    params = mlflow_run(cfg)[1][0].data.params
+    assert params["estimator.name"] == "library" and params["estimator.setting"] == "trl.grpo"
+    assert kl[3.0] < 0.5 * kl[0.0], kl
+
+
+def test_an_unknown_library_setting_is_one_line_naming_the_valid_ones(tmp_path):
+    from klbench.config.errors import ConfigError
+    from klbench.libraries import LibraryMissing, load
+    try:
+        load("verl")
+    except LibraryMissing as e:
+        pytest.skip(str(e))
+    cfg = compose_cfg(tmp_path, TABULAR + ["estimator=library", "estimator.setting=verl.nope", "logger=none"])
+    with pytest.raises(ConfigError, match=r"estimator.setting=verl.nope: verl 0.9.1 has no such setting; valid: "
+                                          r"verl.kl_penalty.k1, "):
+        run(cfg)

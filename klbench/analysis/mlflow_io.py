@@ -3,7 +3,7 @@ computed from, and the summary they log back.
 
     client, uri = open_client(args.tracking_uri)            # the store klbench runs write to
     points = collect_runs(client, parent_run_id=parent)     # finished runs -> klbench.analysis.frontier points
-    log_pareto(client, parent, points)                      # pareto.png / .csv and pareto/* metrics
+    log_pareto(client, parent, points)                      # pareto.html / .png / .csv and pareto/* metrics
     curves, skipped = collect_curves(client, run_ids)       # val/seq_kl histories -> klbench.analysis.distill_curves
     log_report(client, experiment_id, curves, out_dir, ...) # the report as a `distill-report` run
 
@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from klbench.record import runs, store
-from klbench.analysis.artifacts import write_pareto, write_report
+from klbench.record.experiments import FIGURE, NOTE_TAG
+from klbench.analysis.artifacts import write_figure_html, write_pareto, write_report
 from klbench.analysis.distill_curves import BASELINE, METRIC, Curve, newest_per_seed, ratio_to
 from klbench.analysis.frontier import REWARD, SEQ_KL, RunPoints, one_per_trial, summarize
 
@@ -35,6 +36,13 @@ if TYPE_CHECKING:
     from klbench.exact.tabular import Frontier
 
 log = logging.getLogger(__name__)
+
+FRONTIER_NOTE = (
+    f"**Reward against KL per estimator, with the frontier**: the Artifacts tab, `{FIGURE}` (interactive: "
+    "every run's `val/seq_kl` against `val/reward`, a colour per estimator, the empirical frontier with its "
+    "95% bootstrap band and, on the tabular model, the exact frontier; hover a point for its run). The same "
+    "as an image: `pareto.png`; one row per run: `pareto.csv`. Each estimator's share of the frontier and "
+    "the hypervolume: the `pareto/*` metrics.")
 
 SOURCES_TAG = "klbench.analysis.pareto.sources"  # marks runs made by klbench-pareto --new-run: never a trial
 REPORT_TAG = "klbench.report"  # marks a distillation report run: never a trial
@@ -117,11 +125,12 @@ def run_ids_in_sweep(sweep_dir: str | Path) -> list[str]:
 # ---- the Pareto frontier ----
 
 def estimator_label(params: dict) -> str:
-    """The estimator name, with the value of a placement estimator: `in_reward:k3`, so that every cell of the
-    kl_placement grid has its own frontier share and gap (MLflow metric names allow no parentheses)."""
+    """The estimator name, with the value of a placement estimator (`in_reward:k3`) or the setting of a library
+    one (`library:trl.grpo`), so that every cell of a grid has its own frontier share and gap (MLflow metric
+    names allow no parentheses)."""
     name = str(param(params, "estimator.name"))
-    value = param(params, "estimator.value")
-    return f"{name}:{value}" if value is not None else name
+    detail = param(params, "estimator.value") or param(params, "estimator.setting")
+    return f"{name}:{detail}" if detail is not None else name
 
 
 def child_runs(client: MlflowClient, parent_run_id: str, noticed_by: str) -> list:
@@ -204,10 +213,13 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
 def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: Frontier | None = None,
                ref_point: tuple[float, float] | None = None, n_boot: int = 1000,
                out_dir: str | Path | None = None) -> dict:
-    """Logs pareto.png, pareto.csv and the pareto/* metrics to `run_id` (a sweep's parent run); returns
-    the summary (n_points, n_frontier, share, counts, hypervolume, ref_point, n_outside_ref).
-    With `out_dir` (a sweep's folder), the two files are also kept there."""
+    """Logs the interactive figure pareto.html (mlflow.log_figure), pareto.png, pareto.csv and the pareto/*
+    metrics to `run_id` (a sweep's parent run, a klbench-pareto run), and points the run's description at
+    the figure; returns the summary (n_points, n_frontier, share, counts, hypervolume, ref_point,
+    n_outside_ref). With `out_dir` (a sweep's folder), the three files are also kept there."""
     from mlflow.entities import Metric
+
+    from klbench.analysis.plotly_figure import pareto_figure
 
     recs, summary = summarize(points, ref_point, n_boot=n_boot)
     if not recs:
@@ -216,6 +228,13 @@ def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: F
     with (contextlib.nullcontext(str(out_dir)) if out_dir is not None else tempfile.TemporaryDirectory()) as tmp:
         for path in write_pareto(recs, tmp, title, summary["ref_point"], exact_frontier):
             client.log_artifact(run_id, str(path))
+        fig = pareto_figure(recs, exact_frontier, title, summary["ref_point"], n_boot=n_boot)
+        # self-contained (plotly's script inside): MLflow's default fetches it from a CDN, which a
+        # cluster's or a test's browser may not reach
+        client.log_figure(run_id, fig, FIGURE, save_kwargs={"include_plotlyjs": True})
+        if out_dir is not None:
+            write_figure_html(fig, tmp)
+    describe_frontier_run(client, run_id)
     now = int(time.time() * 1000)
     values = {f"pareto/share/{lab}": share for lab, share in summary["share"].items()}
     for lab, (lo, hi) in summary.get("share_ci", {}).items():
@@ -226,6 +245,34 @@ def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: F
     # a tag, not a param: params are immutable and the frontier may be recomputed with another reference
     client.set_tag(run_id, "pareto.ref_point", "reward={:g},seq_kl={:g}".format(*summary["ref_point"]))
     return summary
+
+
+def exact_frontier_of(points: Sequence[dict]) -> Frontier | None:
+    """The exact reward-vs-KL frontier the runs share, rebuilt from their logged params as the trials built
+    it (klbench.models.policies, the tabular model with no teacher; klbench.models.rewards): None unless
+    every run is `model=tabular reward=tabular` with the same model and reward."""
+    keys = ("model.kind", "reward.kind", "model.K", "model.T", "model.eos", "model.ref_seed", "model.ref_scale",
+            "reward.seed", "reward.scale")
+    seen = {tuple(param(p.get("params", {}), k) for k in keys) for p in points}
+    teacher = any(k.startswith("teacher.") for p in points for k in p.get("params", {}) if param(p["params"], k))
+    if len(seen) != 1 or teacher:
+        return None
+    kind, reward_kind, K, T, eos, ref_seed, ref_scale, seed, scale = next(iter(seen))
+    if kind != "tabular" or reward_kind != "tabular":
+        return None
+    from klbench.exact.tabular import TabularModel, TabularReward
+    model = TabularModel(int(K), int(T), eos=None if eos is None else int(eos), seed=int(ref_seed),
+                         ref_scale=float(ref_scale))
+    return model.pareto_frontier(TabularReward(model, seed=int(seed), scale=float(scale)).table)
+
+
+def describe_frontier_run(client: MlflowClient, run_id: str) -> None:
+    """Points the run's description (the `mlflow.note.content` tag, shown on its Overview) at the figure. A
+    description someone wrote is kept, with the pointer added below it."""
+    old = client.get_run(run_id).data.tags.get(NOTE_TAG, "")
+    if FIGURE in old:
+        return
+    client.set_tag(run_id, NOTE_TAG, (old.rstrip() + "\n\n" if old.strip() else "") + FRONTIER_NOTE)
 
 
 def new_summary_run(client: MlflowClient, experiment_id: str, name: str, sources: str) -> str:

@@ -24,7 +24,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, TypeAdap
 from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and imported from here by callers)
 from klbench.config.explain import explain
 from klbench.estimators.options import (REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
-                                        InRewardOptions, Options)
+                                        InRewardOptions, LibraryOptions, Options)
 from klbench.models import DTYPES
 from klbench.models.prompts_jsonl import read_prompts
 from klbench.probe.config import ProbeOptions
@@ -124,9 +124,15 @@ class EstimatorInLoss(InLossOptions):
     beta: Beta
 
 
-EstimatorOption = Union[Estimator, EstimatorNaiveCV, EstimatorInReward, EstimatorInLoss]
-# estimators that correct for samples from pi_old (task.inner_steps > 1); in_loss only with a ratio
-OFF_POLICY_ESTIMATORS = ("rb", "in_reward", "in_loss")
+class EstimatorLibrary(LibraryOptions):
+    name: Literal["library"]
+    beta: Beta
+
+
+EstimatorOption = Union[Estimator, EstimatorNaiveCV, EstimatorInReward, EstimatorInLoss, EstimatorLibrary]
+# estimators that take samples from pi_old (task.inner_steps > 1); in_loss only with a ratio. `library` runs
+# a library's own off-policy code, which need not correct for pi_old: that is what docs/libraries.md audits
+OFF_POLICY_ESTIMATORS = ("rb", "in_reward", "in_loss", "library")
 
 
 # ---- kl_ctl: klbench.tasks.kl_control ----

@@ -12,7 +12,7 @@ NaN and inf refused, no coercion (a bool is not a number, "1" is not 1; an int i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, get_args, get_origin
+from typing import Annotated, Literal, Optional, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,9 +64,22 @@ class InLossOptions(PlacementOptions):
     ratio_grad: Literal["detached", "differentiable"] = "detached"
 
 
+# the libraries klbench.libraries has adapters for (an estimator=library setting starts with one of them)
+LIBRARY_NAMES = ("trl", "verl", "openrlhf", "areal", "torchtune")
+SETTING = (f"a library setting such as trl.grpo or verl.kl_penalty.low_var_kl (library one of "
+           f"{', '.join(LIBRARY_NAMES)}; `klbench-audit --all` lists every setting)")
+
+
+class LibraryOptions(Options):
+    """estimator=library: the KL code of an installed RL library as the gradient estimator (klbench.libraries).
+    The setting's full name is checked when the library loads: its settings are known only to its adapter."""
+    setting: Annotated[str, Field(pattern=r"^(" + "|".join(LIBRARY_NAMES) + r")\.[A-Za-z0-9_.+]+$"),
+                       Expect(SETTING)] = "trl.grpo"
+
+
 # the estimators with options, by registered name; every other estimator takes none
 GRADIENT_OPTIONS: dict[str, type[Options]] = {"naive_cv": ControlVariateOptions, "in_reward": InRewardOptions,
-                                              "in_loss": InLossOptions}
+                                              "in_loss": InLossOptions, "library": LibraryOptions}
 VALUE_OPTIONS: dict[str, type[Options]] = {"cv": ControlVariateOptions}
 
 # The value estimators klbench reports, by label -> (registered name, options): train/kl_<label> at every

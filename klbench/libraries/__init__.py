@@ -7,7 +7,8 @@ import importlib
 
 from klbench.libraries.base import Library, LibraryMissing, Setting
 
-LIBRARIES = ("trl", "verl", "openrlhf", "areal", "torchtune")
+from klbench.estimators.options import LIBRARY_NAMES as LIBRARIES  # declared with estimator=library's options
+
 PINNED = {"trl": "1.16.0", "verl": "0.9.1", "openrlhf": "0.11.2", "areal": "1.0.4", "torchtune": "0.6.1"}
 
 

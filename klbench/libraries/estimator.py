@@ -2,10 +2,9 @@
 setting's per-sequence loss (the library's own code, see klbench/libraries/), so a training run can put
 "TRL's default GRPO KL" on the same frontier as `rb`.
 
-Importing this module registers the name "library" in klbench.estimators.GRADIENT_ESTIMATORS. Not wired into
-training yet: that needs conf/estimator/library.yaml, a `setting` field in the estimator schema, and the
-trainer importing this module when estimator.name == "library" (the estimators layer may not import
-klbench.libraries)."""
+Importing this module registers the name "library" in klbench.estimators.GRADIENT_ESTIMATORS: the RL task
+imports it when estimator=library (the estimators layer may not import klbench.libraries). A setting that is
+unknown, or whose library is missing or of another version, is a ConfigError (one line, with the pip line)."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,17 +13,23 @@ import torch
 
 from klbench.estimators import KLBatch
 from klbench.estimators.base import GRADIENT_ESTIMATORS, Estimate, Estimator, register
-from klbench.libraries import Setting, load
+from klbench.config.errors import ConfigError
+from klbench.estimators.options import LibraryOptions
+from klbench.libraries import LibraryMissing, Setting, load
 
 _SETTINGS: dict[str, Setting] = {}
 
 
 def setting(name: str) -> Setting:
-    """The named library setting, loaded once per process; ValueError naming the valid ones if unknown."""
+    """The named library setting, loaded once per process; ConfigError naming the valid ones if unknown."""
     if name not in _SETTINGS:
-        lib = load(str(name).split(".")[0])  # ValueError for an unknown library, LibraryMissing if absent
+        try:
+            lib = load(str(name).split(".")[0])
+        except (ValueError, LibraryMissing) as e:
+            raise ConfigError(f"estimator.setting={name}: {e}") from None
         if name not in lib.settings:
-            raise ValueError(f"estimator 'library': unknown setting {name!r}; valid: {', '.join(lib.settings)}")
+            raise ConfigError(f"estimator.setting={name}: {lib.name} {lib.version} has no such setting; valid: "
+                              f"{', '.join(lib.settings)}")
         _SETTINGS[name] = lib.settings[name]
     return _SETTINGS[name]
 
@@ -36,7 +41,7 @@ class LibraryGradient(Estimator):
     in docs/libraries.md (often "none of the above")."""
 
     name = "library"
-    defaults: dict[str, Any] = {"setting": "trl.grpo"}
+    defaults: dict[str, Any] = LibraryOptions().model_dump()
     off_policy = True
 
     def __init__(self, **options: Any) -> None:

@@ -29,6 +29,8 @@ class RLTask(pl.LightningModule):
         super().__init__()
         self.policy, self.reward_fn = policy, reward_fn
         opts = {k: v for k, v in estimator_cfg.items() if k not in ("name", "beta")}
+        if estimator_cfg["name"] == "library":
+            import klbench.libraries.estimator  # noqa: F401  registers "library" (estimators may not import it)
         self.estimator = gradient_estimator(estimator_cfg["name"], **opts)
         # beta lives in the controller (klbench/tasks/kl_control.py): estimator.beta when kl_ctl=fixed
         self.kl_ctl = build_kl_control(kl_ctl_cfg, float(estimator_cfg["beta"]))
@@ -180,6 +182,7 @@ class RLTask(pl.LightningModule):
             if f"val/{key}" in sampled:
                 out[f"val/{key}_sampled"] = sampled[f"val/{key}"]
             out[f"val/{key}"] = value
+        self.exact_keys = {k for k in out if not k.endswith("_sampled")}  # the run's summary marks them exact
         return out
 
     # ---- checkpoints: RNG state travels with the step and the optimizer ----
