@@ -1,9 +1,37 @@
-"""verl: `verl.trainer.ppo.core_algos.kl_penalty`, every kl_loss_type, as the actor's KL loss (use_kl_loss=True).
+"""verl: `verl.trainer.ppo.core_algos.kl_penalty`, every kl_loss_type, as the actor's KL loss (use_kl_loss=True);
+the actor's whole `ppo_loss` (verl/workers/utils/losses.py) with use_kl_loss=True; and the use_kl_in_reward path.
 
-Aggregation: the per-sequence loss is the masked token sum of kl_penalty's [B, T] output (verl's
-loss_agg_mode "seq-mean-token-sum"). verl's default "token-mean" divides the batch's token sum by its token
-count instead, which in the large-batch limit is a constant factor of this. verl's KL loss takes no
-importance weight, so under a behaviour policy the same per-token values are summed over pi_old's samples.
+kl_penalty alone (settings verl.kl_penalty.*): the per-sequence loss is the masked token sum of kl_penalty's
+[B, T] output (verl's loss_agg_mode "seq-mean-token-sum"). verl's KL loss takes no importance weight, so
+under a behaviour policy the same per-token values are summed over pi_old's samples.
+
+ppo_loss (settings verl.ppo_loss.*): the real `verl.workers.utils.losses.ppo_loss` with a real
+`verl.workers.config.ActorConfig` (use_kl_loss=True, kl_loss_coef=1; everything else at verl's defaults:
+kl_loss_type "low_var_kl", loss_agg_mode "token-mean", policy_loss.loss_mode "vanilla", clip_ratio 0.2).
+Its input is a padded (non-nested) TensorDict: prompts [1, 1], responses [1, T], attention_mask [1, 1 + T],
+response_mask, old_log_probs, advantages = 0 (so only the KL term moves the policy; the policy term is
+evaluated, and its PPO ratio clamp fires off-policy, but on a zero advantage), ref_log_prob, and
+model_output {"log_probs": [1 + L]} laid out as no_padding_2_padding expects: the model output of the
+whole (prompt + response) sequence, whose position p holds log pi of token p + 1, so response token t sits at
+p = t and the last position is unused (0). ppo_loss is called on one-sequence batches, which is exact: every
+verl loss_agg_mode is a sum over sequences once batch_num_tokens / global_batch_size are given.
+dp_size = 1, batch_num_tokens = 1, global_batch_size = 1. Why 1: verl normalises by counts over the whole
+mini-batch, not by each micro-batch's own: the FSDP engine (verl/workers/engine/fsdp/transformer_impl.py,
+forward_backward_batch) sets batch_num_tokens to the mini-batch's all-reduced token count and dp_size to the
+data-parallel size, and the trainer sets global_batch_size = ppo_mini_batch_size * rollout.n
+(trainer/ppo/v1/trainer_base.py, _update_actor); "token-mean" then divides the mini-batch's token sum by that
+one count. Every sequence's token sum is divided by the same per-step constant, so fixing it at 1 gives each
+sequence its token sum: the optimiser's gradient is this one's times B / batch_num_tokens (exactly, up to that
+constant's dependence on the sampled lengths, which vanishes in the large-batch limit). old_log_probs is
+KLBatch.old_logp off-policy (the current log-probs, detached, on-policy). The setting ".seq_mean_token_mean"
+uses verl's per-sequence token mean instead (global_batch_size = 1 again), which weighs a sequence's tokens by
+1 / its length.
+What they audit as: like the kl_penalty settings of the same type (ppo_loss adds kl_penalty's [B, T] output
+through agg_loss with no ratio, workers/utils/losses.py:135), so low_var_kl is none of the above because
+kl_penalty's clamp of the value to [-10, 10] fires (core_algos.py:2245), and every type is none of the above
+off-policy (pi_old's samples, no importance weight). The clamp that fires off-policy besides is the policy
+term's PPO ratio clip (core_algos.py:1347, compute_policy_loss_vanilla) on a zero advantage: it moves nothing.
+seq_mean_token_mean is none of the above on-policy too: the 1 / length weight (core_algos.py:1196).
 
 `use_kl_in_reward` (settings verl.kl_in_reward.*): `ray_trainer.apply_kl_penalty` evaluates kl_penalty on
 the rollout's old_log_probs and subtracts beta * kld from the token-level rewards. ray_trainer itself imports
@@ -11,22 +39,69 @@ torchdata and the whole trainer, so the adapter calls kl_penalty exactly as that
 (old log-probs, detached) and feeds the result to klbench's return-to-go REINFORCE surrogate
 (base.reward_to_go_surrogate); verl's own advantage estimators (GAE with a critic, GRPO/RLOO groups,
 batch whitening) are not run.
-Not covered yet: the actor's full `ppo_loss` (policy term plus KL, verl/workers/utils/losses.py).
 """
 from __future__ import annotations
 
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import Library, Setting, old_or_current, require, reward_to_go_surrogate, source_of, token_sum
+from klbench.libraries.base import (Library, Setting, old_or_current, require, reward_to_go_surrogate, source_of,
+                                   token_sum)
 
 DIST, SUPPORTED = "verl", "0.9.1"
 KL_TYPES = ("k1", "kl", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+")
+PPO_LOSS_SETTINGS = {  # setting -> ActorConfig overrides on top of use_kl_loss=True, kl_loss_coef=1
+    "verl.ppo_loss.low_var_kl": {},  # verl's default kl_loss_type and loss_agg_mode
+    "verl.ppo_loss.kl": {"kl_loss_type": "kl"},
+    "verl.ppo_loss.low_var_kl+": {"kl_loss_type": "low_var_kl+"},
+    "verl.ppo_loss.low_var_kl.seq_mean_token_mean": {"loss_agg_mode": "seq-mean-token-mean"},
+}
+
+
+def _actor_config(ActorConfig, overrides: dict):
+    # strategy, rollout_n and a micro-batch size are required fields; they do not enter ppo_loss
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, use_kl_loss=True,
+                       kl_loss_coef=1.0, **overrides)
+
+
+def _row_data(batch: KLBatch, b: int, old: torch.Tensor, ref: torch.Tensor):
+    """(model_output, data) for sequence b: the flat log-probs [1 + L] and the padded TensorDict."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    mask = batch.mask[b:b + 1]  # [1, T]
+    T, L = mask.shape[1], int(mask.sum())
+    if not bool(mask[0, :L].all()):
+        raise ValueError(f"verl.ppo_loss: KLBatch.mask row {b} is not right-padded (real tokens, then padding)")
+    dev, dt = batch.logp.device, batch.logp.dtype
+    flat = torch.cat([batch.logp[b, :L], torch.zeros(1, dtype=dt, device=dev)])  # [1 + L]: prompt + response
+    one = torch.ones(1, 1, dtype=torch.long, device=dev)
+    data = TensorDict({"prompts": torch.zeros(1, 1, dtype=torch.long, device=dev),
+                       "responses": torch.zeros(1, T, dtype=torch.long, device=dev),
+                       "attention_mask": torch.cat([one, mask.long()], 1),  # [1, 1 + T]
+                       "response_mask": mask.long(), "old_log_probs": old[b:b + 1],
+                       "advantages": torch.zeros(1, T, dtype=dt, device=dev), "ref_log_prob": ref[b:b + 1]},
+                      batch_size=[1])
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=1, global_batch_size=1)
+    return {"log_probs": flat}, data
+
+
+def _ppo_loss_per_row(ppo_loss, config, batch: KLBatch) -> torch.Tensor:
+    """[B] verl's ppo_loss on each one-sequence batch."""
+    old = old_or_current(batch)
+    ref = torch.where(batch.mask, batch.ref_logp, torch.zeros((), dtype=batch.ref_logp.dtype))
+    out = []
+    for b in range(batch.logp.shape[0]):
+        model_output, data = _row_data(batch, b, old, ref)
+        out.append(ppo_loss(config, model_output, data)[0])
+    return torch.stack(out)
 
 
 def load() -> Library:
     version = require(DIST, SUPPORTED)
     from verl.trainer.ppo import core_algos  # imports ray and tensordict: see scripts/install_libraries.sh
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
 
     lib = Library(DIST, version)
     src = source_of(core_algos.kl_penalty)
@@ -37,6 +112,18 @@ def load() -> Library:
         lib.settings[f"verl.kl_penalty.{kind}"] = Setting(
             f"verl.kl_penalty.{kind}", loss, src, "token sum per sequence (seq-mean-token-sum), in the loss",
             "use_kl_loss=True, kl_loss_type=" + kind)
+    for name, over in PPO_LOSS_SETTINGS.items():
+        config = _actor_config(ActorConfig, over)
+
+        def actor_loss(batch: KLBatch, config=config) -> torch.Tensor:
+            return _ppo_loss_per_row(ppo_loss, config, batch)
+
+        lib.settings[name] = Setting(
+            name, actor_loss, source_of(ppo_loss),
+            f"ppo_loss per sequence, loss_agg_mode={config.loss_agg_mode}, batch_num_tokens = "
+            "global_batch_size = 1, advantages 0",
+            f"use_kl_loss=True, kl_loss_coef=1, kl_loss_type={config.kl_loss_type}, "
+            f"policy_loss={config.policy_loss.loss_mode}, clip_ratio={config.clip_ratio}")
     for kind in ("kl", "low_var_kl"):  # "kl" is algorithm.kl_penalty's default
         def reward_loss(batch: KLBatch, kind=kind) -> torch.Tensor:
             with torch.no_grad():
