@@ -83,7 +83,7 @@ def test_tiny_lm_distill_logs_to_mlflow(tmp_path, single_thread, tiny_lm_dir, ti
     cfg = lm_distill(tmp_path, tiny_lm_dir, tiny_teacher_dir)
     out = run(cfg)
     client, r = only_run(cfg)
-    assert r.info.status == "FINISHED" and r.info.run_name == "distill-hf-loo-beta1-seed0"
+    assert r.info.status == "FINISHED" and r.info.run_name == "loo b=1 s0 distill-hf"
     p = r.data.params
     assert (p["task.name"], p["estimator.name"], p["model.name_or_path"], p["teacher.name_or_path"]) == \
         ("distill", "loo", tiny_lm_dir, tiny_teacher_dir)

@@ -284,7 +284,7 @@ def test_adaptive_on_a_language_model(tmp_path, tiny_lm_dir):
     run(cfg)
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
     (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
-    assert r.info.run_name == "rl-hf-naive_mc-kltarget0.01-k3-seed0"
+    assert r.info.run_name == "naive_mc klt=0.01 sig=k3 s0 rl-hf"
     betas = [v for _, v in history(cfg, "train/beta")]
     signal = [v for _, v in history(cfg, "train/kl_ctl_signal")]
     assert len(betas) == len(signal) == 4 and betas[0] == 1.0
@@ -355,5 +355,5 @@ def test_rl_target_kl_sweep_runs_two_trials(tmp_path):
     assert len(kids) == 2 and {k.info.status for k in kids} == {"FINISHED"}
     targets = {float(k.data.params["kl_ctl.target"]) for k in kids}
     assert len(targets) == 2 and all(0.1 <= t <= 10 for t in targets)
-    assert all(k.info.run_name.startswith("rl-tabular-rb-kltarget") for k in kids)
+    assert sorted(k.info.run_name for k in kids) == sorted(f"klt={t:.3g} rb s0 rl-tabular" for t in targets)  # swept value first
     assert {"pareto.png", "pareto.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}

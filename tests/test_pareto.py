@@ -156,7 +156,10 @@ def test_log_pareto_on_parent(store):
     summary = log_pareto(client, parent, collect_runs(client, parent_run_id=parent))
     assert summary["share"] == {"mc": 0.25, "rb": 0.75}
     assert summary["hypervolume"] == pytest.approx(HV)
-    assert {a.path for a in client.list_artifacts(parent)} >= {"pareto.png", "pareto.csv"}
+    assert {a.path for a in client.list_artifacts(parent)} >= {"pareto.html", "pareto.png", "pareto.csv"}
+    html = open(client.download_artifacts(parent, "pareto.html")).read()
+    assert len(html) > 1_000_000 and "<script src=\"https://cdn.plot.ly" not in html  # plotly.js inside: no network
+    assert "`pareto.html`" in client.get_run(parent).data.tags["mlflow.note.content"]  # the description points at it
     metrics = client.get_run(parent).data.metrics
     assert metrics["pareto/share/rb"] == 0.75 and metrics["pareto/share/mc"] == 0.25
     assert metrics["pareto/n_points"] == 6 and metrics["pareto/n_frontier"] == 4
@@ -174,6 +177,8 @@ def test_cli(store, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "7 used, 4 skipped" in printed and "1 sweep parent run" in printed and "1 stopped before" in printed
     assert (out / "pareto.png").stat().st_size > 10_000
+    assert (out / "pareto.html").stat().st_size > 10_000
+    assert "?workflowType=machine_learning" in printed  # the link to the new run opens in Model training
     rows = list(csv.DictReader(open(out / "pareto.csv")))
     assert len(rows) == 7
     # the outsider (0.95, 12) joins the frontier; mc's (0.9, 8) stays: rb 3, mc 1, seq 1 of 5
@@ -274,3 +279,64 @@ def test_collect_runs_counts_a_trial_once(store, tmp_path):
     assert sorted(r["run_id"] for r in runs) == sorted([other, again])
     assert runs.skipped == {"older run of the same trial": [first]}
     assert runs.describe() == "2 used, 1 skipped (1 older run of the same trial)"
+
+
+# ---- the interactive figure (issue 21) ----
+
+def test_frontier_band_bounds():
+    """Every resample is a subset of the runs, so no band is above the runs' own frontier; a label with one
+    run puts it in every resample, so the band's floor holds it from its KL on."""
+    from klbench.analysis.frontier import attainment, frontier_band
+    rng = np.random.default_rng(0)
+    kls, rewards = rng.uniform(0, 5, 30), rng.uniform(0, 1, 30)
+    labels = ["a"] + ["b"] * 29
+    kls[0], rewards[0] = 1.0, 2.0  # the lone `a` run dominates from KL 1 on
+    grid = np.unique(kls)
+    lo, hi = frontier_band(labels, rewards, kls, grid, n_boot=200)
+    full = attainment(rewards, kls, grid)
+    assert (lo <= hi).all() and (hi <= full).all()
+    assert (lo[grid >= 1.0] == 2.0).all() and np.isneginf(lo[grid < kls[1:].min()]).all()
+    with pytest.raises(ValueError, match="n_boot"):
+        frontier_band(labels, rewards, kls, grid, n_boot=0)
+
+
+def test_pareto_figure_traces():
+    from klbench.analysis.plotly_figure import pareto_figure
+    pts = [{"estimator": e, "reward": r, "seq_kl": k, "run_name": f"{e} {i}"} for i, (e, r, k) in enumerate(
+        [("rb", 0.2, 1.0), ("rb", 0.5, 2.0), ("mc", 0.4, 1.5), ("mc", 0.1, 3.0)])]
+    exact = Frontier(betas=torch.tensor([1.0, 0.5]), rewards=torch.tensor([0.4, 0.9]), kls=torch.tensor([0.5, 2.5]))
+    fig = pareto_figure(pts, exact, n_boot=50)
+    names = [t.name or "" for t in fig.data]
+    assert sum(n.startswith(("rb:", "mc:")) for n in names) == 2  # one colour per estimator
+    assert any("bootstrap band" in n for n in names) and "empirical frontier (non-dominated runs)" in names
+    ex = next(t for t in fig.data if (t.name or "").startswith("exact optimum"))
+    np.testing.assert_allclose([ex.x, ex.y], [[0.5, 2.5], [0.4, 0.9]], rtol=1e-6)
+    assert not any((t.name or "").startswith("exact") for t in pareto_figure(pts, None, n_boot=0).data)
+
+
+def test_exact_frontier_from_params_matches_the_sweeps(tmp_path):
+    """klbench-pareto rebuilds the tabular model's exact frontier from the runs' params, as a sweep does from
+    its config (klbench.sweep.exact)."""
+    from klbench.analysis.mlflow_io import exact_frontier_of
+    from klbench.config.compose import compose
+    from klbench.record.tracking import flat_params
+    from klbench.sweep.exact import exact_frontier
+    cfg = compose(["experiment=tabular", "model.ref_seed=3", "reward.seed=5"], outputs=tmp_path)
+    points = [{"params": flat_params(cfg)}, {"params": flat_params(cfg)}]
+    ours, theirs = exact_frontier_of(points), exact_frontier(cfg)
+    np.testing.assert_allclose(ours.kls, theirs.kls) and np.testing.assert_allclose(ours.rewards, theirs.rewards)
+    other = {**flat_params(cfg), "reward.seed": "6"}
+    assert exact_frontier_of(points + [{"params": other}]) is None  # two rewards: no one exact frontier
+    assert exact_frontier_of([{"params": {**other, "model.kind": "embedded"}}]) is None
+
+
+def test_a_persons_run_description_is_kept(store):
+    from klbench.analysis.mlflow_io import describe_frontier_run
+    client = store["client"]
+    rid = client.create_run(client.get_experiment_by_name("sweep-a").experiment_id).info.run_id
+    client.set_tag(rid, "mlflow.note.content", "my notes")
+    describe_frontier_run(client, rid)
+    describe_frontier_run(client, rid)  # once
+    note = client.get_run(rid).data.tags["mlflow.note.content"]
+    assert note.startswith("my notes\n\n") and note.count("`pareto.html`") == 1
+    client.delete_run(rid)

@@ -80,6 +80,33 @@ def test_parallel_first_opens_of_a_fresh_store(tmp_path, rep):
     assert store.inspect(Path(f"{tmp_path}/outputs/mlflow.db"))[0] == "current"
 
 
+OPEN_FROM_TEMPLATE = OPEN_AND_LOG.replace('sys.argv[2])', 'sys.argv[2], sys.argv[3])')
+
+
+def test_fresh_stores_are_copies_of_one_migrated_template(tmp_path):
+    """3 processes create 3 fresh stores at once from one cache: the migration runs once, into the template;
+    each store is current, with its own Default experiment next to it, and takes a run."""
+    cache = tmp_path / "cache"
+    uris = [f"sqlite:///{tmp_path}/out{i}/mlflow.db" for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_FROM_TEMPLATE, uri, str(tmp_path / "art"), str(cache)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for uri in uris]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 3, [e[-2000:] for _, e in outs]
+    (template,) = (cache / "mlflow").glob("*.db")
+    con = sqlite3.connect(f"file:{template}?mode=ro", uri=True)
+    assert con.execute("SELECT count(*) FROM experiments").fetchone() == (0,)  # each copy makes its Default
+    con.close()
+    made = template.stat().st_mtime_ns
+    for i, uri in enumerate(uris):
+        assert store.inspect(Path(uri[len("sqlite:///"):]))[0] == "current"
+        client = mlflow.MlflowClient(uri)
+        assert client.get_experiment("0").artifact_location == f"{tmp_path}/out{i}/mlartifacts/0"
+        assert [r.info.status for r in all_runs(client)] == ["FINISHED"]
+    uri = f"sqlite:///{tmp_path}/out3/mlflow.db"
+    assert subprocess.run([sys.executable, "-c", OPEN_FROM_TEMPLATE, uri, str(tmp_path / "art"), str(cache)]).returncode == 0
+    assert template.stat().st_mtime_ns == made  # made once, copied since
+
+
 @pytest.mark.slow
 def test_parallel_klbench_runs_on_a_fresh_outputs_folder(tmp_path):
     """The issue's reproduction: 6 `klbench` runs started at once on an empty outputs/, 5 times over."""
@@ -156,6 +183,30 @@ def test_unusable_store_fails_fast_with_its_path(tmp_path, kind):
     with pytest.raises(store.StoreError, match=str(path.parent if kind != "corrupt" else path)):
         store.open_store(f"sqlite:///{path}")
     assert time.time() - t0 < 5
+
+
+def test_a_run_records_its_design_its_folder_and_its_console(tmp_path):
+    """Issue 21: params are the experiment's design (paths, checkpoint, logger and store settings are
+    `klbench.config.*` tags); every run, not only a sweep's trials, carries `klbench.run_dir`, its folder; the
+    folder's klbench.log holds every line the console showed, with its time."""
+    from klbench.record.experiments import is_bookkeeping
+    outputs = tmp_path / "outputs"
+    proc = klbench(outputs, *TABULAR)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = all_runs(client_of(outputs))
+    (folder,) = outputs.glob("runs/*/*")
+    params, tags = run.data.params, run.data.tags
+    assert run.info.run_name == "rb b=0.5 s0 rl-tabular"
+    assert not [k for k in params if is_bookkeeping(k)], params
+    assert {"estimator.name", "estimator.beta", "model.kind", "reward.kind", "seed", "task.max_steps"} <= set(params)
+    assert tags["klbench.run_dir"] == str(folder)
+    assert tags["klbench.config.paths.ckpt_dir"] == str(folder / "checkpoints")
+    assert tags["klbench.config.ckpt_allow_changes"] == "[]"
+    log = (folder / "klbench.log").read_text()
+    shown = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(shown) > 10 and [line for line in shown if line not in log] == []
+    assert f"[stdout] klbench: run folder  {folder}" in log
+    assert all(line.startswith("[20") for line in log.splitlines() if line.strip())  # each with its time
 
 
 # ---- 2. a run's status says what happened ----

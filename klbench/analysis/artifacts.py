@@ -1,7 +1,8 @@
 """The files an analysis writes into a folder, the same whether they stay on disk (the CLIs, a sweep's
 folder) or become MLflow artifacts (klbench.analysis.mlflow_io logs this folder's files):
 
-- the Pareto frontier: pareto.png and pareto.csv, one row per run;
+- the Pareto frontier: pareto.png and pareto.csv, one row per run; pareto.html, the interactive figure
+  (klbench.analysis.plotly_figure), self-contained so that it draws without a network;
 - the distillation report: distill_seq_kl.png, .md (a few steps) and .csv (every validation step).
 
 No MLflow here.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from klbench.analysis.distill_curves import Curve, aggregate, common_steps, format_markdown, pick_steps, summary_rows
 from klbench.analysis.plots import plot_bands, plot_pareto
+from klbench.record.experiments import FIGURE
 
 if TYPE_CHECKING:
     from klbench.exact.tabular import Frontier
@@ -41,6 +43,14 @@ def write_pareto(recs: list[dict], folder: str | Path, title: str, ref_point: tu
     folder = Path(folder)
     png = plot_pareto(recs, folder / "pareto.png", exact_frontier, title, ref_point)
     return png, write_pareto_csv(recs, folder / "pareto.csv")
+
+
+def write_figure_html(fig, folder: str | Path) -> Path:
+    """The interactive figure as `folder/pareto.html`, with plotly's script inside it (no network needed)."""
+    path = Path(folder) / FIGURE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.write_html(path, include_plotlyjs=True, auto_open=False)
+    return path
 
 
 def _write_rows(rows: list[dict], path: Path) -> Path:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from klbench.record.experiments import BOOKKEEPING
+
 REWARD, SEQ_KL = "val/reward", "val/seq_kl"
 # Fixed, not data-dependent, so hypervolumes of different sweeps stay comparable: -1 is the lowest
 # VADER compound score (the worst reward of the default task); 20 nats is about three times the KL of
@@ -88,6 +90,38 @@ def frontier_share_ci(labels: Sequence[str], rewards: Sequence[float], kls: Sequ
     return {lab: (float(lo[j]), float(hi[j])) for j, lab in enumerate(names)}
 
 
+def attainment(rewards: np.ndarray, kls: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """The empirical frontier as a step function: at each grid KL, the best reward among the points with a
+    KL at most that; -inf where there is none. [G]"""
+    order = np.argsort(kls, kind="stable")
+    best = np.maximum.accumulate(rewards[order])  # [N] best reward up to each kl, kl ascending
+    at = np.searchsorted(kls[order], grid, side="right") - 1  # [G] last point with kl <= grid
+    return np.where(at >= 0, best[np.clip(at, 0, None)], -np.inf)
+
+
+def frontier_band(labels: Sequence[str], rewards: Sequence[float], kls: Sequence[float], grid: Sequence[float],
+                  n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Bootstrap band of the empirical frontier (attainment), pointwise on `grid`: resampled as
+    frontier_share_ci does (with replacement, within each label), percentile interval at each grid KL.
+    (lo, hi), each [G]; -inf where more than the interval's tail of the resamples has no run at that KL."""
+    labels = [str(l) for l in labels]
+    r, k, g = (np.asarray(x, dtype=float) for x in (rewards, kls, grid))
+    if not len(labels) or n_boot < 1:
+        raise ValueError(f"a frontier band needs runs and n_boot >= 1, got {len(labels)} runs, n_boot={n_boot}")
+    members = [np.array([i for i, l in enumerate(labels) if l == lab]) for lab in sorted(set(labels))]
+    rng = np.random.default_rng(seed)
+    curves = np.empty((n_boot, len(g)))  # [n_boot, G]
+    for b in range(n_boot):
+        idx = np.concatenate([rng.choice(m, size=len(m)) for m in members])
+        curves[b] = attainment(r[idx], k[idx], g)
+    a = (1 - level) / 2
+    # quantiles of values that may be -inf: by sorting (np.quantile would interpolate inf - inf)
+    ordered = np.sort(curves, axis=0)
+    lo = ordered[int(np.floor(a * (n_boot - 1)))]
+    hi = ordered[int(np.ceil((1 - a) * (n_boot - 1)))]
+    return lo, hi
+
+
 def hypervolume(rewards: Sequence[float], kls: Sequence[float],
                 ref_point: tuple[float, float] = DEFAULT_REF_POINT) -> float:
     """Area (reward x nats) dominated by the points and bounded by ref_point = (ref_reward, ref_kl).
@@ -143,13 +177,15 @@ def summarize(points: Any, ref_point: tuple[float, float] | None = None, n_boot:
 
 def format_table(summary: dict) -> str:
     cis = summary.get("share_ci")
-    lines = [f"{'estimator':<14} {'points':>6} {'on frontier':>11} {'share':>7}" + ("  95% CI (bootstrap over runs)"
-                                                                                    if cis else "")]
+    # one header word group per number column, two spaces apart, each number right-aligned under its header
+    row = "{:<14}  {:>6}  {:>15}  {:>17}{}"
+    lines = [row.format("estimator", "points", "frontier points", "share of frontier",
+                        "  95% CI (bootstrap over runs)" if cis else "")]
     for lab, (n, nf) in summary["counts"].items():
         ci = f"  [{cis[lab][0]:.1%}, {cis[lab][1]:.1%}]" if cis else ""
-        lines.append(f"{lab:<14} {n:>6} {nf:>11} {summary['share'][lab]:>7.1%}{ci}")
-    lines.append(f"{'total':<14} {summary['n_points']:>6} {summary['n_frontier']:>11} "
-                 f"{(1.0 if summary['n_frontier'] else 0.0):>7.1%}")
+        lines.append(row.format(lab, n, nf, f"{summary['share'][lab]:.1%}", ci))
+    lines.append(row.format("total", summary["n_points"], summary["n_frontier"],
+                            f"{(1.0 if summary['n_frontier'] else 0.0):.1%}", ""))
     ref_r, ref_k = summary["ref_point"]
     lines.append(f"hypervolume {summary['hypervolume']:.4g} (reference point: reward={ref_r:g}, "
                  f"seq KL={ref_k:g} nats; {summary['n_outside_ref']} point(s) outside it add nothing)")
@@ -177,9 +213,8 @@ class RunPoints(list):
         return f"{len(self)} used, {self.n_skipped} skipped" + (f" ({why})" if why else "")
 
 
-# Bookkeeping: where a run wrote, how it was logged, how it resumed. Runs that differ in nothing else ran
-# the same thing.
-BOOKKEEPING = ("logger", "paths", "ckpt_path", "ckpt_allow_changes", "optimized_metrics")
+# Bookkeeping (klbench.record.experiments.BOOKKEEPING): where a run wrote, how it was logged, how it resumed.
+# Runs since issue 21 log it as tags, older ones as params. Runs that differ in nothing else ran the same thing.
 # Differ between the runs of one comparison without changing what they measure: the swept estimator
 # and its options, the seed, and bookkeeping.
 NOT_COMPARED = ("estimator", "seed", *BOOKKEEPING,

@@ -260,10 +260,9 @@ def exact_frontier_of(points: Sequence[dict]) -> Frontier | None:
     kind, reward_kind, K, T, eos, ref_seed, ref_scale, seed, scale = next(iter(seen))
     if kind != "tabular" or reward_kind != "tabular":
         return None
-    from klbench.exact.tabular import TabularModel, TabularReward
-    model = TabularModel(int(K), int(T), eos=None if eos is None else int(eos), seed=int(ref_seed),
-                         ref_scale=float(ref_scale))
-    return model.pareto_frontier(TabularReward(model, seed=int(seed), scale=float(scale)).table)
+    from klbench.exact.tabular import rl_frontier
+    return rl_frontier(int(K), int(T), None if eos is None else int(eos), int(ref_seed), float(ref_scale),
+                       int(seed), float(scale))
 
 
 def describe_frontier_run(client: MlflowClient, run_id: str) -> None:

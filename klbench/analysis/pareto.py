@@ -7,16 +7,19 @@ The maths is klbench.analysis.frontier, the MLflow queries klbench.analysis.mlfl
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from klbench.console.messages import display_uri, mlflow_ui_lines
 from klbench.record import store
-from klbench.analysis.artifacts import write_pareto
+from klbench.analysis.artifacts import write_figure_html, write_pareto
 from klbench.analysis.frontier import DEFAULT_REF_POINT, describe_groups, format_table, group_runs, summarize
-from klbench.analysis.mlflow_io import (TRACKING_URI_HELP, collect_runs, experiment_ids, log_pareto, new_summary_run,
-                               open_client)
+from klbench.analysis.mlflow_io import (TRACKING_URI_HELP, collect_runs, exact_frontier_of, experiment_ids,
+                                        log_pareto, new_summary_run, open_client)
+from klbench.analysis.plotly_figure import pareto_figure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlflow.exceptions import MlflowException
 
     ref_point = (args.ref_reward, args.ref_kl)
+    uri = None
     try:
         client, uri = open_client(args.tracking_uri)
         if args.log_to:
@@ -77,19 +81,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             if labels:
                 what += " (" + ", ".join(f"{k}={v}" for k, v in labels.items()) + ")"
                 print(f"\ngroup {i + 1}: {what}")
-            png, csv_path = write_pareto(recs, where, "Pareto frontier of " + what, ref_point)
+            exact = exact_frontier_of(pts)  # the tabular model's optimum, drawn as a dashed curve
+            png, csv_path = write_pareto(recs, where, "Pareto frontier of " + what, ref_point, exact)
+            html = write_figure_html(pareto_figure(recs, exact, "Pareto frontier of " + what, ref_point,
+                                                   n_boot=args.bootstrap), where)
             print(format_table(summary))
-            print(f"wrote {png} and {csv_path}")
+            print(f"wrote {html} (interactive), {png} and {csv_path}")
         if args.log_to or args.new_run:
             run_id = args.log_to or _new_run(client, args, found)
-            log_pareto(client, run_id, found, ref_point=ref_point, n_boot=args.bootstrap)
+            log_pareto(client, run_id, found, exact_frontier=exact_frontier_of(found), ref_point=ref_point,
+                       n_boot=args.bootstrap)
             if args.new_run:
                 client.set_terminated(run_id)
-            print(f"logged pareto.png, pareto.csv and pareto/* metrics to MLflow run {run_id}")
+            print(f"logged pareto.html (interactive), pareto.png, pareto.csv and pareto/* metrics to MLflow run "
+                  f"{run_id}; to see it:")
+            for line in mlflow_ui_lines(uri, client.get_run(run_id).info.experiment_id, run_id):
+                print(f"  {line}")
     except (ValueError, MlflowException, store.StoreError) as e:
-        print(f"klbench-pareto: error: {e}", file=sys.stderr)
+        msg = str(e) if uri is None or display_uri(uri) in str(e) else f"{e} (searched {_which_store(args, uri)})"
+        print(f"klbench-pareto: error: {msg}", file=sys.stderr)
         return 1
     return 0
+
+
+def _which_store(args: argparse.Namespace, uri: str) -> str:
+    """The store searched and where its address came from, so that a run 'not found' points at the
+    store to name instead."""
+    if args.tracking_uri:
+        why = "--tracking-uri"
+    elif os.environ.get("MLFLOW_TRACKING_URI"):
+        why = "$MLFLOW_TRACKING_URI"
+    elif os.environ.get(store.OUTPUTS_ENV):
+        why = f"${store.OUTPUTS_ENV}"
+    else:
+        why = f"./outputs, as neither $MLFLOW_TRACKING_URI nor ${store.OUTPUTS_ENV} is set"
+    return f"{display_uri(uri)}, from {why}; another store: --tracking-uri URI"
 
 
 def _new_run(client, args: argparse.Namespace, found: list[dict]) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import sys
 import warnings
 
@@ -33,7 +32,13 @@ QUIET_LOGS: dict[str, tuple[str, ...]] = {
     ),
     # the Optuna sweeper's unlabelled "Values: [1.79, 4.35], Params: {...}" lines; the sweep callback
     # prints the same trials labelled (klbench.sweep.parent.print_pareto_trials)
-    "hydra_plugins.hydra_optuna_sweeper._impl": ("Number of Pareto solutions: ", "    Values: "),
+    # and its start: the study's name and storage are in the sweep's own lines and in the parent run's
+    # tags (optuna.study_name, optuna.storage), its sampler and directions in the sweep's config
+    "hydra_plugins.hydra_optuna_sweeper._impl": ("Number of Pareto solutions: ", "    Values: ", "Study name: ",
+                                                 "Storage: ", "Sampler: ", "Directions: "),
+    # klbench's own line says which study and how many of its trials are done (klbench.sweep.study)
+    "optuna.storages._rdb.storage": ("A new study created in RDB",),
+    "optuna.storages.journal._storage": ("A new study created in Journal",),
     # klbench opens the study itself just before the sweeper does, so this shows at every sweep, a new
     # study included; klbench's own line says how many of its trials are done
     "optuna.study.study": ("Using an existing study with",),
@@ -69,9 +74,12 @@ _installed: set[str] = set()
 
 def setup() -> None:
     """Each Lightning message once; at default verbosity, the notices above silenced; at every verbosity,
-    passwords in URLs as *** in every log record (klbench.record.redact). Idempotent."""
+    passwords in URLs as *** in every log record (klbench.record.redact); in a Hydra job, what is printed is
+    copied into the run folder's klbench.log (klbench.console.logfile). Idempotent."""
     redact_logs()
     one_handler()
+    from klbench.console.logfile import copy_console
+    copy_console()  # what is printed goes to the run folder's klbench.log too, with times
     if verbose():
         return
     for name in QUIET_LOGS:
@@ -100,7 +108,9 @@ def one_handler() -> None:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
         lg = logging.getLogger(name)
         for h in list(lg.handlers):
-            if type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.stdout):
+            # the console's own streams too: copy_console may have wrapped sys.stdout and sys.stderr
+            if type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.stdout, sys.__stderr__,
+                                                                 sys.__stdout__, getattr(sys.stderr, "stream", None)):
                 lg.removeHandler(h)
         lg.propagate = True
 
@@ -129,27 +139,59 @@ def display_uri(uri: str) -> str:
     return redact(uri)
 
 
-def mlflow_ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None) -> list[str]:
+def mlflow_ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None, port: int | None = None) -> list[str]:
     """How to look at a run (or an experiment) in the MLflow UI: the `mlflow ui` command for a store that is a
     file or a database, the page itself for an MLflow server. The command is quoted for a POSIX shell (an
-    outputs folder may hold spaces), so that it works pasted."""
-    page = f"#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    outputs folder may hold spaces), so that it works pasted; `port` serves it beside a UI already on 5000.
+    Every link opens in the Model training view (klbench.record.experiments.ui_url)."""
+    from klbench.record.experiments import ui_command, ui_url
     if tracking_uri.startswith(("http://", "https://")):
-        return [f"open {display_uri(tracking_uri).rstrip('/')}/{page}"]
-    return [f"mlflow ui --backend-store-uri {shlex.quote(display_uri(tracking_uri))}",
-            f"then open http://127.0.0.1:5000/{page}"]
+        return [f"open {ui_url(experiment_id, run_id, base=display_uri(tracking_uri))}"]
+    return [ui_command(tracking_uri, port),
+            f"then open {ui_url(experiment_id, run_id, base=f'http://127.0.0.1:{port or 5000}')}"]
+
+
+UI_PORT = 5000  # `mlflow ui`'s own default
+
+
+def ui_port(host: str = "127.0.0.1") -> int | None:
+    """None where `mlflow ui` can take its default port; else a free port to give it. A second `mlflow ui`
+    on a port another UI holds fails with "Address already in use" and still exits 0 (MLflow 3.17.2)."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is free
+            try:
+                s.bind((host, port))
+                return True
+            except OSError:
+                return False
+
+    if free(UI_PORT):
+        return None
+    return next((p for p in range(UI_PORT + 1, UI_PORT + 100) if free(p)), None) or _any_port(host)
+
+
+def _any_port(host: str) -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def print_run_where(cfg, logger) -> None:
     """A run's last lines: its folder, its MLflow run and how to look at it (train.run, task=probe).
-    `logger` as klbench.record.tracking.build_logger returns it: a RecordLogger, a CSVLogger, or False."""
+    `logger` as klbench.record.tracking.build_logger returns it: a RecordLogger, a CSVLogger, or False.
+    A sweep's trial leaves how to look at it to the sweep's end, which prints it once, for the parent."""
     lines = [("run folder", os.path.abspath(os.path.dirname(cfg.paths.ckpt_dir)))]
     client = getattr(logger, "client", None)
     if client is not None:  # an MLflow RecordLogger on rank zero
         info = client.get_run(logger.run_id).info
         lines.append(("MLflow run", f"{info.run_id} ({info.run_name}) in experiment {logger.name!r}"))
-        ui = mlflow_ui_lines(cfg.logger.tracking_uri, info.experiment_id, info.run_id)
-        lines += [("to see it" if i == 0 else "", line) for i, line in enumerate(ui)]
+        if not cfg.logger.get("parent_run_id"):
+            ui = mlflow_ui_lines(cfg.logger.tracking_uri, info.experiment_id, info.run_id, ui_port())
+            lines += [("to see it" if i == 0 else "", line) for i, line in enumerate(ui)]
     elif hasattr(logger, "log_dir"):
         lines.append(("metrics", os.path.join(logger.log_dir, "metrics.csv")))
     elif not logger:

@@ -47,11 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.markdown).write_text(page)
         print(f"wrote {a.markdown}")
     if a.mlflow or os.environ.get("MLFLOW_TRACKING_URI"):
-        print(f"MLflow run: {_log(table, page, seconds, a.experiment)}")
+        from klbench.console.messages import display_uri, mlflow_ui_lines
+        rid, uri, exp_id = _log(table, page, seconds, a.experiment)
+        print(f"MLflow run: {rid} in {display_uri(uri)}")
+        for line in mlflow_ui_lines(uri, exp_id, rid):  # links open in the Model training view
+            print(f"  {line}")
     return 0
 
 
-def _log(table: str, page: str, seconds: float, experiment: str) -> str:
+def _log(table: str, page: str, seconds: float, experiment: str) -> tuple[str, str, str]:
+    """Logs the audit as a new run of `experiment`; returns (run id, tracking URI, experiment id)."""
     from mlflow import MlflowClient
 
     from klbench.record import store
@@ -68,7 +73,7 @@ def _log(table: str, page: str, seconds: float, experiment: str) -> str:
             (Path(d) / name).write_text(text)
             client.log_artifact(rid, str(Path(d) / name))
     client.set_terminated(rid)
-    return f"{rid} in {uri}"
+    return rid, uri, exp_id
 
 
 if __name__ == "__main__":

@@ -8,15 +8,22 @@ read, and 3.17's still writes it, but reads it only with its workflow switch tur
 3.17.2). So klbench does both: it tags every experiment it opens as `custom_model_development`, and the
 links it prints carry `?workflowType=machine_learning` (`ui_url`). docs/mlflow.md has the walk-through.
 
+Also what each run holds (`run_name`, `trial_name`, `split_config`): names that put what tells runs apart
+first, and params that are the experiment's design, with the bookkeeping in `klbench.config.*` tags.
+
 No MLflow import here: `store.ensure_experiment` applies `tags_to_set` with its client.
 """
 from __future__ import annotations
 
 import hashlib
+import shlex
+
+from klbench.record.redact import redact
 
 KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"  # shown as "Machine learning"; the other kind is genai_development
-NOTE_TAG = "mlflow.note.content"  # the experiment's description in the UI (Markdown)
+NOTE_TAG = "mlflow.note.content"  # an experiment's or a run's description in the UI (Markdown)
+FIGURE = "pareto.html"  # the interactive frontier figure on a sweep's parent run and a klbench-pareto run
 # The hash of the description klbench last wrote. A description that no longer matches it was edited
 # by a person, and klbench leaves it alone; one that matches is klbench's to bring up to date.
 NOTE_HASH_TAG = "klbench.note_sha1"
@@ -32,22 +39,28 @@ _METRICS = (
     "below the exact optimal frontier at the run's KL). `train/kl_*`: every value estimator on the same "
     "training batch; `train/reward`, `train/entropy`, `train/grad_norm`.\n")
 _PARAMS = (
-    "- **Params**: the whole resolved config, flattened (`estimator.name`, `estimator.beta`, `model.kind`, "
-    "...); Artifacts: `config.yaml`, `samples.json` (sample texts).\n"
-    "- **Tags**: `klbench.run_dir` (checkpoints, logs), `klbench.error` on a run that failed.\n")
+    "- **Params**: the experiment's design, the resolved config flattened (`estimator.name`, `estimator.beta`, "
+    "`model.kind`, `task.*`, `seed`, ...); Artifacts: `config.yaml` (the whole config), `samples.json` "
+    "(sample texts).\n"
+    "- **Tags**: `klbench.run_dir` (the run folder: checkpoints, `klbench.log`), `klbench.config.*` (the "
+    "bookkeeping: paths, checkpoint and logger settings, store URLs), `klbench.error` on a run that failed.\n")
 
 # Keyed by experiment-name prefix; the longest prefix that matches wins, "" matches every name.
 DESCRIPTIONS: dict[str, str] = {
     "sweep-": (
         "**klbench sweep**: a parent run per Optuna study, a child run per trial (expand the parent: the + "
-        "left of its name). The `val/seq_kl` against `val/reward` scatter: see the end of this text.\n\n"
+        "left of its name). Reward against KL per estimator, with the frontier: the parent run's "
+        f"Artifacts, `{FIGURE}`.\n\n"
         "`klbench -m sweep=<name>` writes to `sweep-<sweep>-<model kind>`.\n\n"
         "- **Parent run** `sweep-<study name>`, one per Optuna study (maximise `val/reward`, minimise "
         "`val/seq_kl`): params `sweep.*`, tags `optuna.study_name`, `klbench.sweep.dir`, `klbench.sweep.trials`; "
-        "when the sweep ends, Artifacts `pareto.png` (every trial's `val/seq_kl` against `val/reward`, "
-        "frontier marked) and `pareto.csv`, and metrics `pareto/*` (each estimator's share of the frontier, "
-        "hypervolume; on the tabular model `pareto/frontier_gap/<estimator>`).\n"
-        "- **Child runs**, one per trial, hidden until the parent is expanded.\n"
+        f"when the sweep ends, Artifacts `{FIGURE}` (interactive: every trial's `val/seq_kl` against "
+        "`val/reward`, a colour per estimator, the empirical frontier with its bootstrap band and, on the "
+        "tabular model, the exact frontier), `pareto.png` (the same, as an image) and `pareto.csv`, and metrics "
+        "`pareto/*` (each estimator's share of the frontier, hypervolume; on the tabular model "
+        "`pareto/frontier_gap/<estimator>`).\n"
+        "- **Child runs**, one per trial, hidden until the parent is expanded, named by what sets them apart: "
+        "the swept values first, then estimator, seed, task and model (`b=0.0523 rb s0 rl-tabular`).\n"
         + _METRICS + _PARAMS +
         "\nThe scatter across trials: Runs, expand the parent (charts plot only the runs the list shows, and "
         "the parent has no `val/*`), Chart view (second button above the list), Add chart > Scatter chart, "
@@ -66,8 +79,9 @@ DESCRIPTIONS: dict[str, str] = {
         "`klbench-distill-report --experiment <this experiment>`.\n"
         + _PARAMS + "\n" + _READ),
     "": (
-        "**klbench runs**: one per `klbench` command (without `-m`), named "
-        "`<task>-<model>-<estimator>-beta<beta>-seed<seed>`; compare them in Chart view.\n\n"
+        "**klbench runs**: one per `klbench` command (without `-m`), named estimator and beta first: "
+        "`<estimator> b=<beta> s<seed> <task>-<model>` (`rb b=0.05 s0 rl-tabular`); compare them in Chart "
+        "view.\n\n"
         "The experiment is `logger.experiment` (default `klbench`).\n\n"
         + _METRICS + _PARAMS +
         "\nCompare runs: Runs, Chart view (second button above the list), Add chart > Scatter chart, X axis "
@@ -99,14 +113,81 @@ def tags_to_set(name: str, tags: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def ui_command(tracking_uri: str) -> str:
-    """The command that serves this store's UI (a server store is its own UI)."""
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"open {tracking_uri}"
-    return f"mlflow ui --backend-store-uri {tracking_uri} --workers 1"
+def ui_command(tracking_uri: str, port: int | None = None) -> str:
+    """The command that serves this store's UI, quoted for a POSIX shell (an outputs folder may hold spaces)
+    and with a password in the URI as ***. `port`: another than MLflow's default 5000."""
+    cmd = f"mlflow ui --backend-store-uri {shlex.quote(redact(tracking_uri))}"
+    return cmd + (f" --port {port}" if port else "")
 
 
 def ui_url(experiment_id: str, run_id: str | None = None, base: str = "http://127.0.0.1:5000") -> str:
-    """A link into the UI that opens in the Model training view (MLflow 3.17 otherwise opens GenAI's)."""
+    """A link into the UI that opens in the Model training view (MLflow 3.17 otherwise opens GenAI's).
+    The UI routes by the address's fragment and reads its query from there: the parameter goes after
+    `#/...`; before the `#` 3.17.2 ignores it (checked in headless Chromium, docs/mlflow.md)."""
     path = f"#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
     return f"{base.rstrip('/')}/{path}?{WORKFLOW_PARAM}"
+
+
+# ---- what each run holds ----
+
+# Bookkeeping: where a run writes, how it is logged and resumed, where the stores are. Not the experiment's
+# design: tags `klbench.config.<key>` rather than params, so that the compare view's axes are what was run.
+BOOKKEEPING = ("paths", "logger", "store", "ckpt_path", "ckpt_allow_changes", "optimized_metrics")
+CONFIG_TAG = "klbench.config."
+RUN_DIR_TAG = "klbench.run_dir"  # the run folder: checkpoints, klbench.log, .hydra/
+# how a swept key reads in a trial's name; other keys by their last part (task.lr=0.001: lr=0.001)
+SHORT = {"estimator.beta": "b", "estimator.lam": "l", "kl_ctl.target": "klt"}
+# in a trial's name anyway: the estimator (with its value or setting, estimator_label) and the seed
+NAMED_ANYWAY = ("estimator", "estimator.name", "estimator.value", "estimator.setting", "seed")
+
+
+def is_bookkeeping(key: str) -> bool:
+    """Whether a flattened config key (`paths.ckpt_dir`) is bookkeeping rather than design."""
+    return any(key == b or key.startswith(b + ".") for b in BOOKKEEPING)
+
+
+def split_config(flat: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(params, tags) of a flattened config: the design as params, the bookkeeping as `klbench.config.*` tags."""
+    params = {k: v for k, v in flat.items() if not is_bookkeeping(k)}
+    tags = {CONFIG_TAG + k: v for k, v in flat.items() if is_bookkeeping(k)}
+    return params, tags
+
+
+def estimator_label(est) -> str:
+    """The estimator as a run name says it: a library's setting (`trl.grpo`), a placement estimator with its
+    value (`in_reward:k3`, as klbench.analysis.mlflow_io.estimator_label labels the frontier), else its name."""
+    if est.get("setting"):
+        return str(est.setting)
+    return f"{est.name}:{est.value}" if est.get("value") is not None else str(est.name)
+
+
+def run_name(cfg) -> str:
+    """A single run's name, what tells runs apart first (MLflow's run table shows about 20 characters): the
+    estimator, beta (or the adaptive controller's KL target and signal), its options, the seed; then task and
+    model: `rb b=0.05 s0 rl-tabular`. A sweep's trials: trial_name."""
+    est = cfg.estimator
+    parts = [estimator_label(est)]
+    ctl = cfg.get("kl_ctl")
+    if ctl is not None and ctl.name == "adaptive":  # beta is the controller's: name the target and signal
+        parts += [f"klt={ctl.target:g}", f"sig={ctl.signal}"]
+    else:
+        parts.append(f"b={est.beta:g}")
+    if "lam" in est:
+        parts.append(f"l={est.lam:g}")
+    if est.get("level") == "sequence":
+        parts.append("seqlevel")
+    parts += [f"s{cfg.seed}", f"{cfg.task.name}-{cfg.model.kind}"]
+    return redact(" ".join(parts))
+
+
+def trial_name(cfg, swept: dict) -> str:
+    """A sweep trial's name: its values of the swept keys first (`swept`, key -> value, in the sweep's order),
+    then estimator, seed, task and model: `b=0.0523 rb s0 rl-tabular` (sweep=rl_beta), `b=0.03 l=0.3 rb s1
+    rl-embedded` (rl_beta_lambda), `in_reward:k3 s2 rl-tabular` (kl_placement)."""
+    parts = []
+    for key, value in swept.items():
+        if key not in NAMED_ANYWAY:
+            value = f"{value:.3g}" if isinstance(value, float) else str(value)
+            parts.append(f"{SHORT.get(key, key.rsplit('.', 1)[-1])}={value}")
+    parts += [estimator_label(cfg.estimator), f"s{cfg.seed}", f"{cfg.task.name}-{cfg.model.kind}"]
+    return redact(" ".join(parts))[:250]  # MLflow keeps run names up to 250 characters

@@ -23,30 +23,16 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from klbench.record import runs, store
+from klbench.record.experiments import RUN_DIR_TAG, run_name, split_config
 from klbench.record.redact import redact, redact_obj
 
 CKPT_KEY = "klbench"  # the checkpoint's own section: config, pending metrics, step
 
 
-def run_name(cfg: DictConfig) -> str:
-    est = cfg.estimator
-    parts = [cfg.task.name, str(cfg.model.kind), est.name]
-    if "lam" in est:
-        parts.append(f"lam{est.lam:g}")
-    if "level" in est and est.level == "sequence":
-        parts.append("seqlevel")
-    ctl = cfg.get("kl_ctl")
-    if ctl is not None and ctl.name == "adaptive":  # beta is the controller's: name the target and signal
-        parts += [f"kltarget{ctl.target:g}", ctl.signal]
-    else:
-        parts.append(f"beta{est.beta:g}")
-    parts.append(f"seed{cfg.seed}")
-    return "-".join(parts)
-
-
 def flat_params(cfg: DictConfig) -> dict[str, str]:
     """Resolved config flattened with '.' (estimator.name, estimator.beta, ...); MLflow caps values at 6000 chars.
-    A password in a URL (store.optuna, store.mlflow) becomes *** (klbench.record.redact)."""
+    A password in a URL (store.optuna, store.mlflow) becomes *** (klbench.record.redact). build_logger logs the
+    design as params and the bookkeeping as tags (klbench.record.experiments.split_config)."""
     out: dict[str, str] = {}
 
     def walk(node, prefix: str) -> None:
@@ -145,11 +131,13 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     if rank_zero_only.rank != 0:  # DDP: only rank zero writes the record
         return RecordLogger(experiment=lg.experiment)
     import mlflow
-    exp_id = store.ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
+    # a fresh store: a copy of the migrated template in the per-user cache (klbench.record.store)
+    exp_id = store.ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root, cfg.paths.get("cache"))
     client = mlflow.MlflowClient(lg.tracking_uri)
     runs.reap(client, [exp_id], noticed_by=f"a run starting (pid {os.getpid()})")
     id_file = os.path.join(run_dir, runs.RUN_ID_FILE)
-    tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.get("max_steps", 1))}  # task=probe: one step
+    tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.get("max_steps", 1)),  # task=probe: one step
+            RUN_DIR_TAG: os.path.abspath(run_dir)}
     if resume and os.path.isfile(id_file):
         run_id = open(id_file).read().strip()
         try:
@@ -163,7 +151,9 @@ def build_logger(cfg: DictConfig, resume: bool = False):
                 client.delete_tag(run_id, stale)
         client.update_run(run_id, status="RUNNING")
         return RecordLogger(client, run_id, lg.experiment, _last_steps(client, run_id))
-    tags.update({"klbench.task": cfg.task.name, "klbench.estimator": cfg.estimator.name, runs.STEPS_DONE: "0"})
+    params, bookkeeping = split_config(flat_params(cfg))
+    tags.update({"klbench.task": cfg.task.name, "klbench.estimator": cfg.estimator.name, runs.STEPS_DONE: "0",
+                 **bookkeeping})
     if lg.get("parent_run_id"):
         tags["mlflow.parentRunId"] = lg.parent_run_id
     run_id = client.create_run(exp_id, run_name=lg.run_name or run_name(cfg), tags=tags).info.run_id
@@ -171,7 +161,7 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     with open(id_file, "w") as f:
         f.write(run_id)
     from mlflow.entities import Param
-    params = [Param(k, v) for k, v in flat_params(cfg).items()]
+    params = [Param(k, v) for k, v in params.items()]
     for i in range(0, len(params), 100):  # MLflow's log_batch limit for params
         client.log_batch(run_id, params=params[i:i + 100])
     client.log_text(run_id, redact(OmegaConf.to_yaml(cfg, resolve=True)), "config.yaml")

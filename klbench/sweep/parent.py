@@ -1,6 +1,7 @@
 """The sweep's MLflow parent run: opened (or reopened, when a restarted sweep resumes its study) before
-the first trial, summarised when the sweep ends (trial counts, failed trials, the Pareto frontier and,
-for a tabular sweep, each estimator's gap to the exact frontier), and never left RUNNING.
+the first trial, summarised when the sweep ends (trial counts, failed trials, the Pareto frontier, drawn
+interactively in pareto.html, and, for a tabular sweep, each estimator's gap to the exact frontier), and
+never left RUNNING.
 
 Also what the sweep prints at its end: Optuna's Pareto-optimal trials, labelled, and where everything is.
 Runs in the sweeper's process only; the trials find the parent run's id in PARENT_FILE.
@@ -195,11 +196,12 @@ def print_pareto_trials(sweep_dir: Path, metrics: list[str]) -> None:
 def print_sweep_where(sweep_dir: Path, client=None, parent: str | None = None, tracking_uri: str = "") -> None:
     from klbench.console import messages as console
     lines = [("sweep folder", str(sweep_dir))]
-    lines += [(name, str(sweep_dir / name)) for name in ("pareto.png", "pareto.csv") if (sweep_dir / name).is_file()]
+    lines += [(name, str(sweep_dir / name)) for name in ("pareto.html", "pareto.png", "pareto.csv")
+              if (sweep_dir / name).is_file()]
     if parent is not None:
         info = client.get_run(parent).info
         exp = client.get_experiment(info.experiment_id).name
         lines.append(("MLflow run", f"{parent} ({info.run_name}, the sweep's parent run) in experiment {exp!r}"))
-        ui = console.mlflow_ui_lines(tracking_uri, info.experiment_id, parent)
+        ui = console.mlflow_ui_lines(tracking_uri, info.experiment_id, parent, console.ui_port())
         lines += [("to see it" if i == 0 else "", line) for i, line in enumerate(ui)]
     console.print_where(lines)

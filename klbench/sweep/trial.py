@@ -3,7 +3,7 @@ failures Lightning does not record.
 
 Runs in the trial's process (see klbench.sweep.callback). It hands its decisions to the trial's
 config through environment variables that the sweep configs read: PARENT_ENV becomes
-logger.parent_run_id, RESUME_ENV becomes ckpt_path.
+logger.parent_run_id, RESUME_ENV becomes ckpt_path, NAME_ENV becomes logger.run_name.
 """
 from __future__ import annotations
 
@@ -12,16 +12,18 @@ import os
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from klbench.record.redact import redact
 from klbench.record.runs import RUN_ID_FILE
+from klbench.record.experiments import trial_name
 from klbench.sweep.parent import PARENT_FILE
 
 log = logging.getLogger(__name__)
 
 PARENT_ENV = "KLBENCH_PARENT_RUN_ID"
 RESUME_ENV = "KLBENCH_RESUME_CKPT"
+NAME_ENV = "KLBENCH_RUN_NAME"
 JOB_FILE = "klbench_trial.txt"  # in a trial folder: its overrides, so only that trial resumes its checkpoint
 
 
@@ -30,11 +32,20 @@ def start(config: DictConfig) -> None:
     parent_file = Path(config.hydra.sweep.dir) / PARENT_FILE
     _set_env(PARENT_ENV, parent_file.read_text().strip() if parent_file.is_file() else None)
     _set_env(RESUME_ENV, "last" if own_checkpoint(config) else None)
+    _set_env(NAME_ENV, trial_name(config, swept_values(config)))
+
+
+def swept_values(config: DictConfig) -> dict[str, object]:
+    """The values this trial's config holds for the keys the sweep varies (hydra.sweeper.params), in order."""
+    return {key: OmegaConf.select(config, key) for key in OmegaConf.select(config, "hydra.sweeper.params") or {}}
 
 
 def end(config: DictConfig, job_return: JobReturn) -> None:
     """After the trial: its MLflow run marked FAILED if it failed, and tagged with its folder."""
-    os.environ.pop(RESUME_ENV, None)  # the basic launcher runs the next trial in this process
+    for key in (RESUME_ENV, NAME_ENV):  # the basic launcher runs the next trial in this process
+        os.environ.pop(key, None)
+    from klbench.console.logfile import stop_copy
+    stop_copy()  # the next trial's prints go to its own klbench.log
     if config.logger.get("kind") != "mlflow":
         return
     from mlflow import MlflowClient

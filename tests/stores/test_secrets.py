@@ -159,4 +159,5 @@ def test_single_run_needs_no_optuna_url(mlflow_server, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     client = MlflowClient(mlflow_server)
     (run,) = client.search_runs([client.get_experiment_by_name("single-no-optuna").experiment_id])
-    assert run.info.status == "FINISHED" and run.data.params["store.optuna"] == "None"
+    assert run.info.status == "FINISHED" and run.data.tags["klbench.config.store.optuna"] == "None"
+    assert not any(k.startswith("store.") for k in run.data.params)  # bookkeeping is tagged, not a param
