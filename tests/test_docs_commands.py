@@ -111,3 +111,12 @@ def test_docs_command_composes_and_validates(argv, env, tmp_path, monkeypatch):
     sweep = cfg.hydra.runtime.choices.get("sweep") if "runtime" in cfg.hydra else None
     assert not (sweep or "sweep=" in " ".join(argv)) or multirun, "a sweep command in the docs lacks -m"
     validate(cfg)
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """.ci/run runs the README's test command as written: what CI passes is what a reader runs."""
+    readme = (ROOT / "README.md").read_text()
+    after = readme[readme.index("Run the tests"):]
+    command = next(line for line in shell_lines(after) if "pytest" in line).strip()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert command in ci.splitlines()[-1], f"README: {command}\n.ci/run: {ci.splitlines()[-1]}"

@@ -133,6 +133,9 @@ def markdown(cells: list[Cell], seconds: float) -> str:
             f"Audit run time: {seconds:.1f} s.", "",
             "Where klbench's own worked example of a setting (klbench/exact/examples.py, a transcription of the",
             "math, not the library's code) audits differently from the library's code, both are shown.", "",
+            "Every setting also trains as an estimator (`estimator=library estimator.setting=<setting>`); what",
+            "TRL's default GRPO KL and verl's `low_var_kl` do to the reward-KL frontier, against `rb`, is in",
+            "[library-estimators.md](library-estimators.md).", "",
             "| library | setting | on-policy | off-policy | clamp fired | code (file:line) | aggregation | options |",
             "|---|---|---|---|---|---|---|---|"]
     rows, seen = [], {}
