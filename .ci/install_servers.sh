@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Debian packages for the server fixtures: a SLURM cluster with accounting (tests/slurm) and PostgreSQL
-# (tests/stores). Idempotent and quiet; always exits 0, since without the packages those tests skip and
-# say why. The fixtures start private instances, so the packages' own services are kept from starting.
+# Debian packages for the server fixtures: a SLURM cluster with accounting (tests/slurm), PostgreSQL
+# (tests/stores), and headless Chromium for the MLflow UI browser test (tests/ui; with a font, since
+# --no-install-recommends leaves Chromium none to draw text with). Idempotent and quiet; always exits 0,
+# since without the packages those tests skip and say why. The fixtures start private instances, so the
+# packages' own services are kept from starting.
 set -uo pipefail
 
-PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server postgresql)
+PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server postgresql chromium fonts-liberation)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -16,7 +18,7 @@ if [ ${#missing[@]} -eq 0 ]; then
 fi
 
 if ! command -v apt-get >/dev/null; then
-  echo "install_servers: no apt-get here, not installing ${missing[*]}; the SLURM/PostgreSQL tests will skip"
+  echo "install_servers: no apt-get here, not installing ${missing[*]}; the SLURM/PostgreSQL/browser tests will skip"
   exit 0
 fi
 if [ "$(id -u)" -eq 0 ]; then
@@ -44,7 +46,7 @@ if "${SUDO[@]}" apt-get update -qq >"$log" 2>&1 &&
      "${PACKAGES[@]}" >>"$log" 2>&1; then
   echo "install_servers: done in $((SECONDS - start)) s"
 else
-  echo "install_servers: apt-get failed; the SLURM/PostgreSQL tests will skip. Last lines of $log:"
+  echo "install_servers: apt-get failed; the SLURM/PostgreSQL/browser tests will skip. Last lines of $log:"
   tail -n 15 "$log"
 fi
 exit 0

@@ -1,150 +1,104 @@
-"""Walks docs/mlflow.md's clicks in a real browser and screenshots the result (docs/img/mlflow_ui_sweep.png).
+"""Takes docs/mlflow.md's screenshots of the MLflow UI: runs the issue-21 quick sweep into a scratch outputs
+folder, serves it with the `mlflow ui` command the sweep printed, opens the link it printed in headless
+Chromium (Debian's package, driven by Playwright) and walks the pages docs/mlflow.md describes:
 
-Needs Debian's headless Chromium (`apt-get install -y chromium`) and a running `mlflow ui` on a store with
-a sweep; drives the browser over the DevTools protocol with aiohttp, which MLflow already depends on:
+    docs/img/mlflow_ui_parent.png    the link: the sweep's parent run, Model training view
+    docs/img/mlflow_ui_frontier.png  its Artifacts tab, pareto.html (reward against KL, the frontier)
+    docs/img/mlflow_ui_runs.png      the runs table, the parent expanded: the trials told apart
+    docs/img/mlflow_ui_compare.png   the trials ticked, Compare: params and parallel coordinates
+    docs/img/mlflow_ui_sweep.png     the chart view, a val/seq_kl against val/reward scatter added by hand
 
-    mlflow ui --backend-store-uri sqlite:///$PWD/outputs/mlflow.db --port 5000 --workers 1 &
-    python scripts/mlflow_ui_screenshot.py --experiment-id 1 --out docs/img/mlflow_ui_sweep.png
+    python scripts/mlflow_ui_screenshot.py [--out docs/img] [--keep DIR]
 
-It fails loudly when a step does not find what the walk-through says is there: then the walk-through
-(or this script) no longer matches the UI.
+The page functions are tests/ui/mlflow_ui.py's, which the browser test (tests/ui/test_mlflow_browser.py)
+asserts on; each step checks what it shows as the test does, so it fails loudly when the walk-through
+no longer matches the UI.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
-import base64
-import json
+import os
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import aiohttp
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "ui"))
+import mlflow_ui as ui  # noqa: E402
 
-CHARTS_SEARCH = "input[placeholder='Search metric charts']"
-EXPANDERS = "button[data-component-id$='runnamecellrenderer.tsx_46']"  # the + left of a parent run's name
-AXES = "[role=dialog] input[role=combobox]"
-# The "Add chart" button of the chart section titled `val` (sections follow metric-name prefixes).
-VAL_ADD_CHART = """[...document.querySelectorAll('[data-testid=experiment-view-compare-runs-add-chart]')].find(b => {
-  let e = b; const h = '[data-testid=experiment-view-compare-runs-section-header]';
-  while (e && !e.querySelector(h)) e = e.parentElement;
-  return e && e.querySelector(h).innerText.split('\\n')[0].trim() === 'val'; })"""
+SWEEP = ["sweep=rl_beta", "experiment=tabular", "hydra.sweeper.n_trials=4", "task.max_steps=40"]
 
 
-class Page:
-    def __init__(self, ws):
-        self.ws, self.n = ws, 0
-
-    async def call(self, method, **params):
-        self.n += 1
-        await self.ws.send_str(json.dumps({"id": self.n, "method": method, "params": params}))
-        while True:
-            msg = json.loads((await self.ws.receive()).data)
-            if msg.get("id") == self.n:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg["result"]
-
-    async def js(self, expr):
-        r = await self.call("Runtime.evaluate", expression=expr, returnByValue=True, awaitPromise=True)
-        return r["result"].get("value")
-
-    async def wait_text(self, text, timeout=90):
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if await self.js(f"!!document.body && document.body.innerText.includes({json.dumps(text)})"):
-                return
-            await asyncio.sleep(0.5)
-        raise TimeoutError(f"the page never showed {text!r}")
-
-    async def click(self, expr, what):
-        """A real mouse click (the UI's menus open on pointer events, not on element.click())."""
-        xy = await self.js(f"(() => {{ const e = ({expr}); if (!e) return null; e.scrollIntoView({{block: 'center'}});"
-                           " const r = e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
-        if xy is None:
-            raise LookupError(f"no {what} on the page")
-        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
-            await self.call("Input.dispatchMouseEvent", type=kind, x=xy[0], y=xy[1], button="left", clickCount=1)
-        await asyncio.sleep(1.5)
-
-    async def choose(self, expr, text, what):
-        await self.click(expr, what)
-        await self.call("Input.insertText", text=text)
-        await asyncio.sleep(1)
-        for kind in ("keyDown", "keyUp"):  # Enter takes the first match, the exact name
-            await self.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
-        await asyncio.sleep(1)
+def run_sweep(outputs: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID",
+                                                            "KLBENCH_RESUME_CKPT")}
+    env.update(KLBENCH_OUTPUTS=str(outputs), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    print(f"klbench -m {' '.join(SWEEP)}  (KLBENCH_OUTPUTS={outputs})", flush=True)
+    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", *SWEEP], cwd=outputs.parent, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"the sweep failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
 
 
-async def walk(url: str, exp_id: str, out: str, port: int) -> None:
-    chrome = subprocess.Popen(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                               f"--remote-debugging-port={port}", f"--user-data-dir={tempfile.mkdtemp()}",
-                               "--window-size=1400,900", "about:blank"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(100):
-                try:
-                    async with s.get(f"http://127.0.0.1:{port}/json") as r:
-                        target = next(t for t in await r.json() if t["type"] == "page")
-                    break
-                except (aiohttp.ClientError, StopIteration):
-                    await asyncio.sleep(0.3)
-            else:
-                raise RuntimeError("chromium did not start")
-            p = Page(await s.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0))
-            await p.call("Emulation.setDeviceMetricsOverride", width=1400, height=900, deviceScaleFactor=1, mobile=False)
-            # A fresh browser opens GenAI's view; the URL parameter is the Model training switch.
-            await p.call("Page.navigate", url=f"{url.rstrip('/')}/#/experiments/{exp_id}/runs?workflowType=machine_learning")
-            await p.wait_text("matching runs")
-            await asyncio.sleep(2)
-            if await p.js("!!document.body.innerText.includes('MLflow Assistant')"):  # its side panel, if open
-                await p.click("[...document.querySelectorAll('button[aria-label=Close]')].pop()", "Assistant close button")
-            n = await p.js(f"(() => {{ const b = document.querySelectorAll(\"{EXPANDERS}\"); b.forEach(x => x.click());"
-                           " return b.length; })()")
-            if not n:
-                raise LookupError("no parent run to expand: is this a sweep's experiment?")
-            await asyncio.sleep(2)
-            await p.js("document.querySelector('input[name=runs-view-mode][value=CHART]').click()")  # Chart view
-            await p.wait_text("Add section")
-            await asyncio.sleep(2)
-            await p.click(VAL_ADD_CHART, "Add chart button of the val section")
-            await p.click("[...document.querySelectorAll('[role=menuitem]')].find(e => e.innerText.includes('Scatter chart'))",
-                          "Scatter chart menu item")
-            await p.wait_text("Add new chart")
-            await p.choose(f"document.querySelectorAll(\"{AXES}\")[0]", "val/seq_kl", "X axis")
-            await p.choose(f"document.querySelectorAll(\"{AXES}\")[1]", "val/reward", "Y axis")
-            await p.click("document.querySelector('[data-testid=experiment-view-compare-runs-chart-modal-confirm]')",
-                          "Add chart confirm button")
-            await p.click(f"document.querySelector(\"{CHARTS_SEARCH}\")", "Search metric charts box")
-            await p.call("Input.insertText", text="val/seq_kl")
-            await asyncio.sleep(4)
-            titles = await p.js("[...document.querySelectorAll('[data-testid=experiment-view-compare-runs-card]')]"
-                                ".map(c => c.innerText.split('\\n')[0])")
-            if "val/seq_kl vs. val/reward" not in titles:
-                raise LookupError(f"no scatter chart after the clicks; charts shown: {titles}")
-            shot = await p.call("Page.captureScreenshot", format="png")
-    finally:
-        chrome.terminate()
-        chrome.wait(10)
-    from PIL import Image  # matplotlib's dependency: 128 colours keep the PNG small
-    tmp = out + ".full.png"
-    with open(tmp, "wb") as f:
-        f.write(base64.b64decode(shot["data"]))
-    Image.open(tmp).convert("RGB").quantize(colors=128).save(out, optimize=True)
-    import os
-    os.remove(tmp)
-    print(f"wrote {out}; charts: {titles}")
+def walk(browser, link: str, children: list[str], out: Path) -> None:
+    page = ui.first_visit(browser)
+    ui.open_run(page, link)
+    v = ui.view(page)
+    if ui.genai_words(v) or "Models" not in v["sidebar"]:
+        raise AssertionError(f"the printed link did not open in Model training: {v['sidebar']}")
+    ui.shoot(page, out / "mlflow_ui_parent.png")
+
+    fig = ui.frontier_figure(page)
+    if not fig["file"] or fig["points"] < len(children):
+        raise AssertionError(f"no frontier figure with every trial on the parent run: {fig}")
+    page.wait_for_timeout(1000)
+    ui.shoot(page, out / "mlflow_ui_frontier.png")
+
+    page.get_by_role("tab", name="Overview").click()
+    ui.to_runs_table(page)
+    names = dict(ui.run_names(page))
+    shown = [names[c] for c in children]
+    if len(set(shown)) != len(shown):
+        raise AssertionError(f"the runs table shows {shown} of {children}")
+    ui.shoot(page, out / "mlflow_ui_runs.png")
+
+    ui.select_and_compare(page, children)
+    params = ui.compare_params(page)
+    if any(k.startswith(("paths.", "ckpt")) for k in params):
+        raise AssertionError(f"bookkeeping among the compare view's params: {sorted(params)}")
+    ui.shoot(page, out / "mlflow_ui_compare.png")
+
+    page.go_back()
+    page.get_by_text("matching runs").wait_for()
+    ui.run_names(page)
+    titles = ui.scatter_chart(page)
+    if "val/seq_kl vs. val/reward" not in titles:
+        raise AssertionError(f"no scatter chart after the clicks; charts shown: {titles}")
+    ui.shoot(page, out / "mlflow_ui_sweep.png")
+    page.context.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:5000", help="where `mlflow ui` serves")
-    ap.add_argument("--experiment-id", required=True, help="a sweep experiment's id (the number in its UI address)")
-    ap.add_argument("--out", default="docs/img/mlflow_ui_sweep.png")
-    ap.add_argument("--port", type=int, default=9333, help="Chromium's DevTools port")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "img"), help="where the PNGs go")
+    ap.add_argument("--keep", help="outputs folder for the sweep, kept (default: a temporary one, removed)")
     a = ap.parse_args()
-    asyncio.run(walk(a.url, a.experiment_id, a.out, a.port))
+    if (why := ui.missing()) is not None:
+        raise SystemExit(why)
+    import re
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="klbench-ui-") as tmp:
+        outputs = Path(a.keep or Path(tmp) / "outputs").resolve()
+        stdout = run_sweep(outputs)
+        printed = ui.where_printed(stdout)
+        children = [n for n in re.findall(r"^klbench: MLflow run\s+\w+ \((.*)\) in experiment", stdout, re.M)
+                    if not n.endswith("the sweep's parent run")]
+        with ui.chromium() as browser, ui.serve(printed["command"], Path(tmp) / "mlflow_ui.log") as base:
+            walk(browser, ui.local(printed["links"][-1], base), children, Path(a.out))
+    print(f"wrote {a.out}/mlflow_ui_{{parent,frontier,runs,compare,sweep}}.png in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -61,10 +61,15 @@ def test_run_ends_with_where_its_record_is(tmp_path):
     run_dir = Path(lines["run folder"])
     run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
     assert lines["MLflow run"].startswith(run_id) and "in experiment 'klbench'" in lines["MLflow run"]
-    assert lines["to see it"] == f"mlflow ui --backend-store-uri sqlite:///{outputs.resolve()}/mlflow.db"
+    # `--port N` where another program holds MLflow's default port 5000 (test_mlflow_ui_command_takes_a_free_port...)
+    ui = re.fullmatch(rf"mlflow ui --backend-store-uri {re.escape(f'sqlite:///{outputs.resolve()}/mlflow.db')}"
+                      r"( --port (\d+))?",
+                      lines["to see it"])
+    assert ui, lines["to see it"]
+    assert f"http://127.0.0.1:{ui[2] or 5000}/#/experiments/1/runs/{run_id}" in proc.stdout
     assert f"#/experiments/1/runs/{run_id}" in proc.stdout
     last = [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith("MODULES")][-1]
-    assert last.endswith(run_id)  # they are the run's last lines
+    assert f"/runs/{run_id}" in last  # they are the run's last lines
 
 
 def test_where_lines_paste_into_a_shell_with_spaces_in_the_outputs_path(tmp_path):
@@ -76,7 +81,7 @@ def test_where_lines_paste_into_a_shell_with_spaces_in_the_outputs_path(tmp_path
     assert Path(lines["run folder"]).is_dir() and outputs in Path(lines["run folder"]).parents
     argv = subprocess.run(["bash", "-c", lines["to see it"].replace("mlflow ui", "printf '%s\\n'", 1)],
                           capture_output=True, text=True, check=True).stdout.splitlines()
-    assert argv == ["--backend-store-uri", f"sqlite:///{outputs.resolve()}/mlflow.db"], lines["to see it"]
+    assert argv[:2] == ["--backend-store-uri", f"sqlite:///{outputs.resolve()}/mlflow.db"], lines["to see it"]
     run_id = lines["MLflow run"].split()[0]
     assert MlflowClient(tracking_uri=argv[1]).get_run(run_id).info.status == "FINISHED"
 
@@ -89,6 +94,9 @@ console.setup()
 logging.getLogger("lightning.pytorch.utilities.rank_zero").info("GPU available: False, used: False")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").info("a message klbench keeps")
 logging.getLogger("transformers.modeling_utils").warning("`loss_type=None` was set in the config but ...")
+logging.getLogger("optuna.storages._rdb.storage").info("A new study created in RDB with name: s")
+for line in ("Study name: s", "Storage: sqlite:////o/optuna.db", "Sampler: TPESampler", "Directions: ['maximize']"):
+    logging.getLogger("hydra_plugins.hydra_optuna_sweeper._impl").info(line)
 warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning)
 warnings.warn("a warning klbench keeps", FutureWarning)
 """
@@ -105,7 +113,8 @@ def test_notices_are_silenced_by_message_and_come_back_with_klbench_verbose():
     quiet, loud = run(""), run("1")
     for kept in ("a message klbench keeps", "a warning klbench keeps"):
         assert kept in quiet and kept in loud
-    for silenced in ("GPU available", "loss_type=None", "LeafSpec"):
+    for silenced in ("GPU available", "loss_type=None", "LeafSpec", "A new study created", "Study name:",
+                     "Storage:", "Sampler:", "Directions:"):
         assert silenced not in quiet and silenced in loud
 
 
@@ -120,11 +129,12 @@ def test_help_names_klbench_and_lists_the_sweeps():
 
 def test_mlflow_ui_lines():
     assert console.mlflow_ui_lines("sqlite:////o/mlflow.db", "3", "abc") == [
-        "mlflow ui --backend-store-uri sqlite:////o/mlflow.db", "then open http://127.0.0.1:5000/#/experiments/3/runs/abc"]
+        "mlflow ui --backend-store-uri sqlite:////o/mlflow.db",
+        "then open http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"]
     assert console.mlflow_ui_lines("sqlite:////my runs/it's/mlflow.db", "3", None)[0] == \
         "mlflow ui --backend-store-uri 'sqlite:////my runs/it'\"'\"'s/mlflow.db'"
     assert console.mlflow_ui_lines("http://mlflow-host:5000/", "3", None) == [
-        "open http://mlflow-host:5000/#/experiments/3"]
+        "open http://mlflow-host:5000/#/experiments/3/runs?workflowType=machine_learning"]
     assert console.display_uri("postgresql://klbench:secret@db/klbench") == "postgresql://klbench:***@db/klbench"
 
 
@@ -145,3 +155,99 @@ def test_progress_bar_counts_steps_of_the_run_with_reward_and_kl(capsys):
     assert bar.bar.postfix == "reward 1.23, KL 0.5, val reward 1.1, val KL 0.45"
     bar.on_train_end(trainer, module)
     assert "step 105/300" in capsys.readouterr().err
+
+
+def test_step_lines_show_progress_where_there_is_no_terminal(capsys):
+    """The embedded pretraining's stand-in for the bar in a log or a pipe: a line per tenth of the steps."""
+    from types import SimpleNamespace
+
+    from klbench.console.progress import StepLines
+    trainer = SimpleNamespace(max_steps=20, global_step=0, callback_metrics={}, progress_bar_metrics={"loss": 3.0})
+    lines = StepLines("pretraining the embedded reference LM")
+    lines.on_train_start(trainer, None)
+    for step in range(1, 21):
+        trainer.global_step = step
+        lines.on_train_batch_end(trainer, None, None, None, step - 1)
+    lines.on_train_end(trainer, None)
+    err = capsys.readouterr().err.splitlines()
+    assert [re.search(r"step (\d+)/20", e)[1] for e in err] == [str(s) for s in range(2, 21, 2)], err
+    assert re.fullmatch(r"klbench: pretraining the embedded reference LM: step 4/20 \(20%\), loss 3, "
+                        r"\d+ s so far, about \d+ s left", err[1]), err[1]
+    assert err[-1].startswith("klbench: pretraining the embedded reference LM: step 20/20 (100%)")
+    assert "left" not in err[-1]
+
+
+def test_summary_says_which_metrics_are_exact_and_times_training_apart_from_the_build(capsys):
+    from klbench.tasks.train import _print_summary
+    after = {"val/reward": 1.1, "val/reward_sampled": 0.9, "val/token_kl": 0.5}
+    _print_summary({"val/reward": 0.0}, after, 120, 12.4, 208.0, {"val/reward"})
+    out = capsys.readouterr().out
+    assert "klbench: 120 steps in 12 s (before them, building the models and data took 208 s)" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("val/")}
+    assert rows["val/reward"].endswith("exact") and rows["val/reward_sampled"].endswith("from the samples")
+    assert rows["val/token_kl"].endswith("0.5000")  # neither: sampled, and nothing exact to compare with
+    assert out.rstrip().splitlines()[-1].startswith("exact: over every response")
+    _print_summary(None, {"val/reward": 1.0}, 3, 1.0, 0.0, set())  # no exact metric (an LM): no legend
+    assert "exact" not in capsys.readouterr().out
+
+
+def test_a_sweep_trial_leaves_how_to_see_it_to_the_sweep(capsys):
+    """A trial prints its folder and MLflow run; the `mlflow ui` lines come once, for the sweep's parent."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    info = SimpleNamespace(run_id="c" * 32, run_name="b=0.1 rb s0 rl-tabular", experiment_id="1")
+    logger = SimpleNamespace(client=SimpleNamespace(get_run=lambda rid: SimpleNamespace(info=info)),
+                             run_id=info.run_id, name="sweep-rl_beta-tabular")
+    for parent, shown in ((None, True), ("p" * 32, False)):
+        cfg = OmegaConf.create({"paths": {"ckpt_dir": "/o/runs/x/checkpoints"},
+                                "logger": {"tracking_uri": "sqlite:////o/mlflow.db", "parent_run_id": parent}})
+        console.print_run_where(cfg, logger)
+        lines = where(capsys.readouterr().out)
+        assert lines["MLflow run"].startswith(info.run_id)
+        assert ("to see it" in lines) == shown, lines
+
+
+def test_mlflow_ui_command_takes_a_free_port_beside_another_ui(monkeypatch):
+    """A second `mlflow ui` on a port another UI holds fails ("Address already in use"): where the default
+    port is taken, the printed command names a free one, and the link goes there."""
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        monkeypatch.setattr(console, "UI_PORT", held.getsockname()[1])  # a UI holds the default port
+        port = console.ui_port()
+        assert port is not None and port != console.UI_PORT
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free
+        cmd, link = console.mlflow_ui_lines("sqlite:////o/mlflow.db", "1", "abc", port)
+        assert cmd.endswith(f" --port {port}") and link.startswith(f"then open http://127.0.0.1:{port}/#/")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(console, "UI_PORT", s.getsockname()[1])
+    assert console.ui_port() is None  # the default port is free: the plain command
+
+
+def test_frontier_table_puts_each_header_over_its_column():
+    from klbench.analysis.frontier import format_table
+    summary = {"counts": {"mc": (11, 6), "rb": (12, 8)}, "share": {"mc": 6 / 14, "rb": 8 / 14}, "n_points": 23,
+               "n_frontier": 14, "ref_point": (-1.0, 20.0), "hypervolume": 29.75, "n_outside_ref": 0,
+               "share_ci": {"mc": (0.2, 0.6), "rb": (0.4, 0.8)}}
+    header, *rows = format_table(summary).splitlines()[:4]
+    for title in ("points", "frontier points", "share of frontier"):
+        end = header.index(title) + len(title)  # each number ends under the end of its header
+        assert all(row[end - 1] != " " and (end == len(row) or row[end] == " ") for row in rows), (title, rows)
+    assert "  points  frontier points  share of frontier  95% CI" in header
+
+
+def test_pareto_names_the_store_it_searched(tmp_path, monkeypatch, capsys):
+    """`klbench-pareto --parent <id>` for a run another store holds: the error says which store was
+    searched and how its address was chosen."""
+    from klbench.analysis import pareto
+    from klbench.record import store
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("KLBENCH_OUTPUTS", str(tmp_path))
+    store.open_store(store.tracking_uri(), create=True)
+    assert pareto.main(["--parent", "0123456789abcdef0123456789abcdef"]) == 1
+    err = capsys.readouterr().err
+    assert "not found" in err and f"searched sqlite:///{tmp_path}/mlflow.db, from $KLBENCH_OUTPUTS" in err, err

@@ -1,5 +1,6 @@
 """The offline embedded default: corpus, tokenizer, cached tiny GPT-2, loading rules, rewards."""
 import os
+import re
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub in tests
@@ -172,7 +173,8 @@ def test_a_builder_that_waits_says_so(tmp_path, capsys):
     thread.join()
     err += capsys.readouterr().err
     assert err.splitlines() == [f"klbench: waiting for another process that is building {final}",
-                                f"klbench: building the embedded z LM (once per machine), cached in {final}"]
+                                f"klbench: building the embedded z LM (once per machine), cached in {final}",
+                                "klbench: built the embedded z LM in 0 s"]
     assert results == [True] and os.path.isdir(final)
 
 
@@ -207,12 +209,19 @@ def test_two_outputs_folders_share_one_cache(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(proc)
     path = embedded_lm_dir(TINY, tmp_path / "cache")
-    building = [line for line in runs[0].stderr.splitlines() if "klbench: building" in line]
-    assert building == [f"klbench: building the embedded tiny LM (once per machine), cached in {path}"]
-    assert "klbench: building" not in runs[1].stderr  # the second outputs folder reuses the model
+    tokenizer = embedded_cache.embedded_tokenizer_dir(TINY, tmp_path / "cache")
+    building = [line for line in runs[0].stderr.splitlines() if line.startswith("klbench: buil")]
+    assert building == [f"klbench: building the embedded tokenizer (300 tokens) (once per machine), cached in {tokenizer}",
+                        building[1], f"klbench: building the embedded tiny LM (once per machine), cached in {path}",
+                        building[3]], building
+    for line in building[1::2]:  # the time each build took
+        assert re.fullmatch(r"klbench: built the embedded (tokenizer \(300 tokens\)|tiny LM) in \d+ s", line), line
+    # progress where stderr is no terminal: a line per tenth of the 4 steps, the last one at step 4
+    assert re.search(r"^klbench: pretraining the embedded tiny LM: step 4/4 \(100%\), loss [\d.]+, \d+ s so far$",
+                     runs[0].stderr, re.M), runs[0].stderr[-2000:]
+    assert "klbench: buil" not in runs[1].stderr  # the second outputs folder reuses the model
     for proc in runs:
         assert f"klbench: embedded tiny LM at {path}" in proc.stdout
-    tokenizer = embedded_cache.embedded_tokenizer_dir(TINY, tmp_path / "cache")
     assert sorted(os.listdir(tmp_path / "cache" / "embedded")) == sorted(
         [".locks", os.path.basename(path), os.path.basename(tokenizer)])
     for where in ("a", "b"):

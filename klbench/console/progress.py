@@ -5,11 +5,16 @@ Lightning's own bars count batches per epoch (`Epoch 7/-2 ... 1/1` for a step-bo
 for every validation. This one counts steps over the whole run, resumed runs included, and leaves
 validation to the summary the run prints at its end. It shows only on a terminal: a sweep's trial logs
 and other redirected output get no bar (train.build_trainer).
+
+StepLines is the bar's stand-in for long work whose output is not a terminal (the embedded pretraining,
+minutes on a CPU): a line every tenth of the steps, with the same values, the time taken and the time left.
 """
 from __future__ import annotations
 
 import sys
+import time
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.progress import ProgressBar
 
 # (label in the bar, metric keys in order of preference): the first key the task has logged is shown.
@@ -84,3 +89,42 @@ class StepProgressBar(ProgressBar):
         # what a module logs with self.log(..., prog_bar=True): the embedded pretraining's loss
         parts += [f"{k} {float(v):.3g}" for k, v in trainer.progress_bar_metrics.items()]
         return ", ".join(parts)
+
+
+class StepLines(Callback):
+    """`klbench: <what>: step 80/800 (10%), loss 3.1, 21 s so far, about 190 s left` on stderr, at every tenth
+    of trainer.max_steps and at the end: progress a log file or a pipe can show, where a bar cannot."""
+
+    def __init__(self, what: str, parts: int = 10) -> None:
+        self.what, self.parts = what, parts
+        self.t0 = 0.0
+        self.next = 0  # the step of the next line
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.t0 = time.time()
+        self.first = trainer.global_step
+        self.next = self._after(trainer.global_step, trainer.max_steps)
+
+    def _after(self, step: int, total: int) -> int:
+        """The first tenth of `total` past `step`."""
+        k = step * self.parts // total + 1
+        return -(-k * total // self.parts)  # ceil
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step, total = trainer.global_step, trainer.max_steps
+        if step < self.next or step >= total:  # the last step's line comes from on_train_end
+            return
+        self.next = self._after(step, total)
+        self.line(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.line(trainer, pl_module)
+
+    def line(self, trainer, pl_module) -> None:
+        step, total = trainer.global_step, trainer.max_steps
+        took = time.time() - self.t0
+        done = step - self.first
+        left = f", about {took / done * (total - step):.0f} s left" if 0 < done and step < total else ""
+        values = StepProgressBar.postfix(trainer, pl_module)
+        print(f"klbench: {self.what}: step {step}/{total} ({step / total:.0%})" + (f", {values}" if values else "")
+              + f", {took:.0f} s so far{left}", file=sys.stderr, flush=True)

@@ -59,7 +59,7 @@ def build_cached(final_dir: str, build, what: str | None = None) -> bool:
 
     The rename is atomic, so final_dir either does not exist or is complete; the
     lock only saves racing processes from doing the same work twice. `what`, when
-    given, names the build in the one console line said before it starts.
+    given, names the build in the console line said before it starts, and in the line with the time it took.
     """
     if os.path.isdir(final_dir):
         return False
@@ -75,12 +75,15 @@ def build_cached(final_dir: str, build, what: str | None = None) -> bool:
         if what:
             print(f"klbench: building {what} (once per machine), cached in {final_dir}", file=sys.stderr, flush=True)
         tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        t0 = time.time()
         try:
             build(tmp)
             os.rename(tmp, final_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if what:
+            print(f"klbench: built {what} in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return True
 
 
@@ -109,7 +112,7 @@ def ensure_embedded_tokenizer(spec: Mapping, cache_root: str | os.PathLike | Non
         with open(os.path.join(tmp, "tokenizer_spec.json"), "w") as f:
             json.dump({**tspec, "code_version": EMBEDDED_CODE_VERSION}, f, indent=2, sort_keys=True)
 
-    build_cached(final, build)
+    build_cached(final, build, what=f"the embedded tokenizer ({tspec['vocab_size']} tokens)")
     return final
 
 

@@ -132,11 +132,13 @@ def _pretrain(spec: dict, out_dir: str, progress: bool, tokenizer) -> dict:
                        pad_token_id=pad_id)
     module = CausalLMPretrain(model, lr=spec["lr"], steps=spec["steps"], warmup=max(1, spec["steps"] // 20))
     from klbench.console import messages as console
-    from klbench.console.progress import StepProgressBar, wanted
+    from klbench.console.progress import StepLines, StepProgressBar, wanted
     console.quiet_transformers()  # its "Writing model shards" bar, at default verbosity
-    bar = [StepProgressBar()] if progress and wanted() else []  # the step out of spec["steps"], and the loss
+    # the step out of spec["steps"] and the loss: a bar on a terminal, else a line every tenth of the steps
+    bar = [StepProgressBar()] if progress and wanted() else []
+    lines = [StepLines(f"pretraining the embedded {spec['name']} LM")] if progress and not bar else []
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["steps"], max_epochs=-1, logger=False,
-                        enable_checkpointing=False, callbacks=bar, enable_progress_bar=bool(bar),
+                        enable_checkpointing=False, callbacks=bar + lines, enable_progress_bar=bool(bar),
                         enable_model_summary=False, gradient_clip_val=1.0, num_sanity_val_steps=0)
     t_fit = time.time()
     trainer.fit(module, loader)
