@@ -43,12 +43,13 @@ def gap_table(recs: list[dict], frontier) -> None:
     frontier's end (the KL of the single best sequence, beta -> 0) have settled on a worse mode."""
     end = float(frontier.kls.max())
     print(f"\nreward below the exact frontier; 'past end': runs with KL > {end:.2f} nats, where the frontier ends")
-    print(f"{'estimator':<12} {'runs':>4} {'mean gap':>9} {'median':>7} {'max':>6} {'past end':>9} {'mean gap, rest':>15}")
+    w = max([12, *(len(r["estimator"]) for r in recs)])
+    print(f"{'estimator':<{w}} {'runs':>4} {'mean gap':>9} {'median':>7} {'max':>6} {'past end':>9} {'mean gap, rest':>15}")
     for est in sorted({r["estimator"] for r in recs}):
         mine = [r for r in recs if r["estimator"] == est]
         gaps = [frontier.reward_gap(r["reward"], r["seq_kl"]) for r in mine]
         rest = [g for g, r in zip(gaps, mine) if r["seq_kl"] <= end]
-        print(f"{est:<12} {len(gaps):>4} {mean(gaps):>9.3f} {median(gaps):>7.3f} {max(gaps):>6.3f} "
+        print(f"{est:<{w}} {len(gaps):>4} {mean(gaps):>9.3f} {median(gaps):>7.3f} {max(gaps):>6.3f} "
               f"{len(gaps) - len(rest):>9} {(f'{mean(rest):.3f}' if rest else '-'):>15}")
 
 

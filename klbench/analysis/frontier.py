@@ -178,7 +178,8 @@ def summarize(points: Any, ref_point: tuple[float, float] | None = None, n_boot:
 def format_table(summary: dict) -> str:
     cis = summary.get("share_ci")
     # one header word group per number column, two spaces apart, each number right-aligned under its header
-    row = "{:<14}  {:>6}  {:>15}  {:>17}{}"
+    w = max([14, *map(len, summary["counts"])])  # the estimator column fits its longest label
+    row = "{:<%d}  {:>6}  {:>15}  {:>17}{}" % w
     lines = [row.format("estimator", "points", "frontier points", "share of frontier",
                         "  95% CI (bootstrap over runs)" if cis else "")]
     for lab, (n, nf) in summary["counts"].items():
