@@ -103,7 +103,8 @@ def test_fresh_stores_are_copies_of_one_migrated_template(tmp_path):
         assert client.get_experiment("0").artifact_location == f"{tmp_path}/out{i}/mlartifacts/0"
         assert [r.info.status for r in all_runs(client)] == ["FINISHED"]
     uri = f"sqlite:///{tmp_path}/out3/mlflow.db"
-    assert subprocess.run([sys.executable, "-c", OPEN_FROM_TEMPLATE, uri, str(tmp_path / "art"), str(cache)]).returncode == 0
+    proc = subprocess.run([sys.executable, "-c", OPEN_FROM_TEMPLATE, uri, str(tmp_path / "art"), str(cache)])
+    assert proc.returncode == 0
     assert template.stat().st_mtime_ns == made  # made once, copied since
 
 

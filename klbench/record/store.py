@@ -5,6 +5,10 @@ One place resolves the outputs folder and the MLflow tracking URI for every comm
 process, under an inter-process file lock next to the database: MLflow migrates a fresh database on
 first open, and parallel first opens race on that migration and can leave it half-done.
 
+A fresh store is a copy of an empty one: MLflow's chain of schema migrations (each step its own
+transaction: most of a short run's record cost) runs once per machine and MLflow version, into a
+template kept in the caller's cache folder (`template_dir`: a run passes paths.cache).
+
 No torch, Lightning or Hydra here; MLflow loads only when a store has to be created.
 
     python -m klbench.record.store check  PATH/mlflow.db   # what state a store is in
@@ -46,9 +50,10 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri[len(SQLITE):]) if uri.startswith(SQLITE) else None
 
 
-def open_store(uri: str, create: bool = True) -> None:
+def open_store(uri: str, create: bool = True, template_dir: str | os.PathLike | None = None) -> None:
     """Makes sure the store at `uri` is usable before MLflow touches it: created and migrated once under
-    a file lock, or found current. Raises StoreError (path and a recovery command) otherwise.
+    a file lock (with `template_dir`, copied from the migrated template there), or found current.
+    Raises StoreError (path and a recovery command) otherwise.
 
     Server stores (http://, postgresql://) are the server's business and pass through unchecked.
     """
@@ -65,7 +70,7 @@ def open_store(uri: str, create: bool = True) -> None:
                 raise StoreError(f"no MLflow store at {path} (set MLFLOW_TRACKING_URI or KLBENCH_OUTPUTS, "
                                  "or pass --tracking-uri)")
             if state in ("absent", "empty"):
-                _create(uri, path)
+                _create(uri, path, template_dir)
             elif state != "current":
                 raise StoreError(_advice(path, state, detail))
     except Timeout:
@@ -77,15 +82,17 @@ def open_store(uri: str, create: bool = True) -> None:
     _checked.add(uri)
 
 
-def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None) -> str:
-    """Opens the store (created once, under a lock) and returns the experiment's id, creating it if needed.
+def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None,
+                      template_dir: str | os.PathLike | None = None) -> str:
+    """Opens the store (created once, under a lock; see open_store for `template_dir`) and returns the
+    experiment's id, creating it if needed.
     New and existing experiments alike get klbench's tags (`klbench.record.experiments.tags_to_set`): the
     model-training kind and a description of what the experiment holds, neither over a person's choice."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     from klbench.record.experiments import tags_to_set
-    open_store(tracking_uri)
+    open_store(tracking_uri, template_dir=template_dir)
     client = mlflow.MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(name)
     if exp is None:
@@ -156,19 +163,56 @@ def _revisions() -> tuple[str, set[str]]:
     return head, {rev.revision for rev in script.walk_revisions()}
 
 
-def _create(uri: str, path: Path) -> None:
-    """Creating the SqlAlchemyStore runs MLflow's migration; the caller holds the lock. A creation that
-    fails midway (a full disk) is removed, so that the next attempt starts clean instead of finding a
-    store that looks half-migrated or old."""
+def _create(uri: str, path: Path, template_dir: str | os.PathLike | None = None) -> None:
+    """Creating the SqlAlchemyStore runs MLflow's migration, or with `template_dir` only adds MLflow's
+    Default experiment to a copy of the template; the caller holds the lock. A creation that fails midway
+    (a full disk) is removed, so that the next attempt starts clean instead of finding a store that looks
+    half-migrated or old."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     try:
-        SqlAlchemyStore(uri, str(path.parent / "mlartifacts"))
+        if template_dir is not None:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                shutil.copyfile(_template(Path(template_dir)), tmp)
+                os.replace(tmp, path)  # a copy cut short never looks like a store
+            finally:
+                tmp.unlink(missing_ok=True)
+        SqlAlchemyStore(uri, str(path.parent / "mlartifacts")).engine.dispose()
     except Exception as e:
         path.unlink(missing_ok=True)  # absent or empty before: nothing of anyone's is lost
         cause = "the disk is full" if disk_full(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         raise StoreError(f"cannot create the MLflow store {path}: {cause} "
                          f"({shutil.disk_usage(path.parent).free // 1024} KiB free in {path.parent})") from e
     print(f"klbench: created the MLflow store {path}", file=sys.stderr)
+
+
+def _template(folder: Path) -> Path:
+    """<folder>/mlflow/empty-<MLflow version>.db: a migrated store without experiments (each copy gets its
+    own Default experiment, whose artifact folder is next to that copy), made once under a lock."""
+    import mlflow
+    from filelock import FileLock
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    template = folder / "mlflow" / f"empty-{mlflow.__version__}.db"
+    if template.is_file():
+        return template
+    template.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{template}.lock", timeout=LOCK_TIMEOUT_S):
+        if not template.is_file():
+            tmp = template.with_name(f".{template.name}.{os.getpid()}.tmp")
+            tmp.unlink(missing_ok=True)
+            try:
+                SqlAlchemyStore(f"{SQLITE}{tmp}", str(tmp.parent / "unused-artifacts")).engine.dispose()
+                con = sqlite3.connect(tmp)
+                try:
+                    con.execute("DELETE FROM experiments")  # only the Default one: MLflow adds it on first open
+                    con.commit()
+                finally:
+                    con.close()
+                tmp.chmod(0o444)  # an MLflow client that opened it would add a Default experiment to every copy
+                os.replace(tmp, template)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return template
 
 
 def disk_full(e: BaseException | None) -> bool:
