@@ -28,7 +28,7 @@ def test_tabular_rl_learns_and_logs_to_mlflow(tmp_path):
     assert len(runs) == 1
     r = runs[0]
     assert r.info.status == "FINISHED"
-    assert r.info.run_name == "rl-tabular-rb-beta0.5-seed0"
+    assert r.info.run_name == "rb b=0.5 s0 rl-tabular"  # estimator and beta first (issue 21)
     assert r.data.params["estimator.name"] == "rb" and r.data.params["model.kind"] == "tabular"
     for key in ("val/reward", "val/seq_kl", "val/frontier_gap", "val/kl_ref_pi", "train/kl_mc", "train/kl_k3",
                 "train/kl_rb", "train/kl_cv_opt", "train/reward", "train/entropy", "train/grad_norm"):

@@ -153,10 +153,11 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     reward = build_reward(cfg.reward, policy)
     module = build_task(cfg, policy, reward)
     data = build_data(cfg, policy.fixed_prompt, policy)
+    built_s = time.time() - t0  # the models (the embedded LM's first build included) and the data
     pending = payload["pending_metrics"] if payload is not None else None
     with recorded_run(cfg, resume=ckpt_path is not None, pending=pending) as record:
         trainer = build_trainer(cfg, record.logger, cfg.task.max_steps, cfg.task.val_every)
-        before = None
+        before, t_train = None, time.time()
         if ckpt_path is None:
             trainer.validate(module, datamodule=data, verbose=False)
             before = _val_metrics(trainer.callback_metrics)
@@ -170,7 +171,8 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         record.commit(trainer.global_step)
         if trainer.is_global_zero:
             tracking.log_samples(record.logger, module.sample_tables, cfg)
-            _print_summary(before, after, trainer.global_step, time.time() - t0)
+            _print_summary(before, after, trainer.global_step, time.time() - t_train, built_s,
+                           getattr(module, "exact_keys", set()))
             console.print_run_where(cfg, record.logger)
         for key in ("val/reward", "val/seq_kl"):
             if not math.isfinite(after.get(key, float("nan"))):
@@ -211,10 +213,17 @@ def _val_metrics(metrics) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if k.startswith("val/")}
 
 
-def _print_summary(before: dict | None, after: dict, step: int, seconds: float) -> None:
+def _print_summary(before: dict | None, after: dict, step: int, train_s: float, built_s: float,
+                   exact: set[str]) -> None:
+    """train_s: the training and its validations; built_s: the models and data before it. `exact`: the
+    metrics that are the truth (the tabular model), each beside its `_sampled` estimate from the samples."""
     keys = sorted(after)
-    print(f"\nklbench: {step} steps in {seconds:.0f} s")
+    print(f"\nklbench: {step} steps in {train_s:.0f} s (before them, building the models and data took "
+          f"{built_s:.0f} s)")
     print(f"{'metric':<22} {'before (step 0)':>16} {'after (step ' + str(step) + ')':>18}")
     for k in keys:
         b = f"{before[k]:.4f}" if before and k in before else "-"
-        print(f"{k:<22} {b:>16} {after[k]:>18.4f}")
+        how = "  exact" if k in exact else "  from the samples" if k.endswith("_sampled") else ""
+        print(f"{k:<22} {b:>16} {after[k]:>18.4f}{how}")
+    if exact:
+        print("exact: over every response the model can give; from the samples: over the validation responses")
