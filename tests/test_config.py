@@ -47,6 +47,8 @@ def test_estimator_option_builds(tmp_path, name):
         import klbench.libraries.estimator  # noqa: F401  registers "library", as the RL task does
     opts = {k: v for k, v in cfg.estimator.items() if k not in ("name", "beta")}
     assert gradient_estimator(est, **opts).name == est
+    if name in ("trl_grpo", "verl_low_var_kl"):  # the named library options run the setting their name says
+        assert cfg.estimator.setting == {"trl_grpo": "trl.grpo", "verl_low_var_kl": "verl.kl_penalty.low_var_kl"}[name]
     assert set(opts) <= set(GRADIENT_ESTIMATORS[est].defaults)
 
 
