@@ -17,16 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klbench.console import messages as console
 from klbench.models import DTYPES
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] positions counted from each row's first real token, as generate() does with left padding.
-
-    Pass these to forward when scoring left-padded samples, or the log-probs are
-    not those the samples were drawn from (absolute position embeddings).
-    """
-    pos = attention_mask.long().cumsum(-1) - 1  # [B, T]
-    return pos.masked_fill(attention_mask == 0, 0)  # pads: any position works, generate() uses 0
+from klbench.models.rollout import position_ids_from_mask  # noqa: F401 (defined with the sampler that must match it)
 
 
 # the config attributes that name a causal LM's context (positions for prompt and response together)

@@ -19,6 +19,7 @@ from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
 from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
+from klbench.models.rollout import SAMPLERS, Sampler, position_ids_from_mask
 
 
 
@@ -32,6 +33,7 @@ class Rollout:
     texts: list[str]  # decoded responses
     prompts: list[str]
     seq_ids: torch.Tensor | None = None  # [B] tabular sequence ids
+    sample_logp: torch.Tensor | None = None  # [B, L] log-probs of the sampling logits, where the sampler keeps them
 
 
 def response_mask(resp: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -82,11 +84,16 @@ class Policy(nn.Module):
 
 
 class LMPolicy(Policy):
-    def __init__(self, model, ref_model, tokenizer, max_new_tokens: int):
+    """sampler: how rollouts are drawn (klbench.models.rollout); the KV-cache loop by default."""
+
+    def __init__(self, model, ref_model, tokenizer, max_new_tokens: int, sampler: Sampler | str = "kv_cache"):
         super().__init__()
         self.model, self.ref, self.tok = model, ref_model, tokenizer
         self.ref.requires_grad_(False)
         self.max_new_tokens = max_new_tokens
+        if isinstance(sampler, str) and sampler not in SAMPLERS:
+            raise ValueError(f"LMPolicy: sampler must be one of {sorted(SAMPLERS)} or a Sampler, got {sampler!r}")
+        self.sampler = SAMPLERS[sampler] if isinstance(sampler, str) else sampler
         from klbench.models.hf import context_length  # the models are loaded: transformers is imported already
         # (attribute, positions) of the shorter context of the two: both read prompt + response
         contexts = [c for c in (context_length(model.config), context_length(ref_model.config)) if c]
@@ -112,27 +119,29 @@ class LMPolicy(Policy):
                                        self.max_new_tokens, self.context))
         ids = enc.input_ids.repeat_interleave(n, 0)  # [B*n, P]
         attn = enc.attention_mask.repeat_interleave(n, 0)  # [B*n, P]
-        out = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0, top_p=1.0,
-                                  temperature=1.0, max_new_tokens=self.max_new_tokens,
-                                  pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
-        P = ids.shape[1]
-        resp = out[:, P:]  # [B*n, L]
+        s = self.sampler(self.model, ids, attn, self.max_new_tokens, self.tok.eos_token_id, self.tok.pad_token_id)
+        resp = s.tokens  # [B*n, L]
         mask = response_mask(resp, self.tok.eos_token_id)
         texts = self.tok.batch_decode(torch.where(mask, resp, self.tok.pad_token_id), skip_special_tokens=True)
         group = torch.arange(len(prompts), device=ids.device).repeat_interleave(n)
-        return Rollout(out, torch.cat([attn, mask.long()], 1), P, mask, group, texts,
-                       [p for p in prompts for _ in range(n)])
+        return Rollout(torch.cat([ids, resp], 1), torch.cat([attn, mask.long()], 1), ids.shape[1], mask, group, texts,
+                       [p for p in prompts for _ in range(n)], sample_logp=s.logp)
 
-    def _logits(self, model, ro: Rollout) -> torch.Tensor:
-        # left padding: positions must count real tokens only, as generate() did
-        pos = (ro.attention.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos).logits
-        return logits[:, ro.prompt_len - 1: -1]  # [B, L, V] next-token logits at the response positions
+    @staticmethod
+    def _logits(model, ro: Rollout, pos: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2)."""
+        L = ro.mask.shape[1]
+        # the LM head projects the last L + 1 positions only, not the prompt's (the same bits where it runs);
+        # a model that ignores logits_to_keep returns all positions, and the slice from the end still holds
+        logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos, logits_to_keep=L + 1).logits
+        return logits[:, -(L + 1): -1]
 
     def score(self, ro: Rollout) -> KLBatch:
-        logits = self._logits(self.model, ro)  # [B, L, V], differentiable
+        # left padding: positions count real tokens only, as the sampler did; once for both models
+        pos = position_ids_from_mask(ro.attention)  # [B, P + L]
+        logits = self._logits(self.model, ro, pos)  # [B, L, V], differentiable
         with torch.no_grad():
-            ref_logits = self._logits(self.ref, ro)  # [B, L, V]
+            ref_logits = self._logits(self.ref, ro, pos)  # [B, L, V]
         resp = ro.tokens[:, ro.prompt_len:].unsqueeze(-1)  # [B, L, 1]
         logp = _token_logprob(logits, resp)
         ref_logp = _token_logprob(ref_logits, resp)
@@ -152,7 +161,7 @@ class LMPolicy(Policy):
                                                        lengths[i], self.max_new_tokens, self.context))
 
     def reference(self) -> "LMPolicy":
-        return LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens)
+        return LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler)
 
     @property
     def device(self) -> torch.device:
