@@ -79,7 +79,10 @@ def test_sweep_with_passwords_in_the_environment(postgres_url, mlflow_server, tm
     """Both URLs, with their passwords, in $KLBENCH_OPTUNA_STORAGE and $KLBENCH_MLFLOW_URI; trials as
     local processes (submitit, whose job files in the sweep folder are searched too)."""
     import optuna
-    env = {"KLBENCH_OPTUNA_STORAGE": postgres_url, "KLBENCH_MLFLOW_URI": _with_mlflow_login(mlflow_server)}
+    # KLBENCH_VERBOSE=1: Hydra's and Optuna's start-up lines (the storage URL among them), hidden by default,
+    # are printed and searched too
+    env = {"KLBENCH_OPTUNA_STORAGE": postgres_url, "KLBENCH_MLFLOW_URI": _with_mlflow_login(mlflow_server),
+           "KLBENCH_VERBOSE": "1"}
     r = _sweep(tmp_path, "secrets-env", ["hydra/launcher=local"], **env)
     study = optuna.load_study(study_name="secrets-env", storage=postgres_url)
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 2
@@ -122,7 +125,7 @@ def test_password_from_pgpassfile(postgres_url, mlflow_server, tmp_path):
     bare = postgres_url.replace(f":{url.password}@", "@")
     assert url.password not in bare
     r = _sweep(tmp_path, "pgpassfile", [], KLBENCH_MLFLOW_URI=mlflow_server, KLBENCH_OPTUNA_STORAGE=bare,
-               PGPASSFILE=str(passfile))
+               PGPASSFILE=str(passfile), KLBENCH_VERBOSE="1")
     study = optuna.load_study(study_name="pgpassfile", storage=postgres_url)
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 2
     assert f"Storage: {bare}" in r.stdout + r.stderr  # nothing to hide, shown as it is
