@@ -340,3 +340,15 @@ def test_a_persons_run_description_is_kept(store):
     note = client.get_run(rid).data.tags["mlflow.note.content"]
     assert note.startswith("my notes\n\n") and note.count("`pareto.html`") == 1
     client.delete_run(rid)
+
+
+def test_a_library_setting_with_a_plus_is_a_valid_metric_name():
+    """verl.kl_penalty.k3+ labels its runs `library:verl.kl_penalty.k3+`; MLflow refuses "+" in metric names,
+    so the frontier's per-estimator metrics name it k3plus (the label in tables keeps the "+")."""
+    from mlflow.utils.validation import _validate_metric_name
+    from klbench.analysis.mlflow_io import estimator_label, metric_name
+    label = estimator_label({"estimator.name": "library", "estimator.setting": "verl.kl_penalty.k3+"})
+    assert label == "library:verl.kl_penalty.k3+"
+    assert metric_name(label) == "library:verl.kl_penalty.k3plus"
+    _validate_metric_name(f"pareto/share/{metric_name(label)}")
+    assert metric_name("in_reward:k3") == "in_reward:k3"

@@ -13,6 +13,8 @@ Lightning here, and mlflow loads only when a function needs it.
 """
 from __future__ import annotations
 
+import re
+
 import contextlib
 import logging
 import math
@@ -133,6 +135,12 @@ def estimator_label(params: dict) -> str:
     return f"{name}:{detail}" if detail is not None else name
 
 
+def metric_name(label: str) -> str:
+    """An estimator label as MLflow accepts it in a metric name (alphanumerics and _ - . space / : only):
+    a library setting's "+" (verl.kl_penalty.k3+) becomes "plus", anything else unaccepted "_"."""
+    return re.sub(r"[^\w\-. /:]", lambda m: "plus" if m.group() == "+" else "_", label)
+
+
 def child_runs(client: MlflowClient, parent_run_id: str, noticed_by: str) -> list:
     """Every run of a sweep's parent run (its trials' runs), RUNNING ones whose process is gone first
     marked KILLED (klbench.record.runs.reap)."""
@@ -236,9 +244,9 @@ def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: F
             write_figure_html(fig, tmp)
     describe_frontier_run(client, run_id)
     now = int(time.time() * 1000)
-    values = {f"pareto/share/{lab}": share for lab, share in summary["share"].items()}
+    values = {f"pareto/share/{metric_name(lab)}": share for lab, share in summary["share"].items()}
     for lab, (lo, hi) in summary.get("share_ci", {}).items():
-        values.update({f"pareto/share_lo/{lab}": lo, f"pareto/share_hi/{lab}": hi})
+        values.update({f"pareto/share_lo/{metric_name(lab)}": lo, f"pareto/share_hi/{metric_name(lab)}": hi})
     values.update({"pareto/hypervolume": summary["hypervolume"], "pareto/n_points": summary["n_points"],
                    "pareto/n_frontier": summary["n_frontier"]})
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items()])

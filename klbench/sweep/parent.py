@@ -159,10 +159,11 @@ def abandon(tracking_uri: str, parent: str) -> None:
 def log_frontier_gaps(client, parent: str, runs, frontier) -> None:
     """Mean reward each estimator's trials leave below the exact frontier at their own KL."""
     from mlflow.entities import Metric
+    from klbench.analysis.mlflow_io import metric_name
     gaps: dict[str, list[float]] = {}
     for p in runs:
         gaps.setdefault(p["estimator"], []).append(frontier.reward_gap(p["reward"], p["seq_kl"]))
-    values = {f"pareto/frontier_gap/{est}": sum(g) / len(g) for est, g in gaps.items()}
+    values = {f"pareto/frontier_gap/{metric_name(est)}": sum(g) / len(g) for est, g in gaps.items()}
     every = [g for gs in gaps.values() for g in gs]
     values["pareto/frontier_gap"] = sum(every) / len(every)
     now = int(time.time() * 1000)  # re-logged when a resumed sweep ends: the newest value must win
