@@ -187,6 +187,8 @@ def test_summary_says_which_metrics_are_exact_and_times_training_apart_from_the_
     assert rows["val/reward"].endswith("exact") and rows["val/reward_sampled"].endswith("from the samples")
     assert rows["val/token_kl"].endswith("0.5000")  # neither: sampled, and nothing exact to compare with
     assert out.rstrip().splitlines()[-1].startswith("exact: over every response")
+    _print_summary(None, {"val/reward": 1.0}, 5000, 11.0, 0.0, set(), resumed_at=1050)  # a resumed run
+    assert "klbench: steps 1050 -> 5000 (3950) in 11 s" in capsys.readouterr().out
     _print_summary(None, {"val/reward": 1.0}, 3, 1.0, 0.0, set())  # no exact metric (an LM): no legend
     assert "exact" not in capsys.readouterr().out
 

@@ -34,7 +34,8 @@ def open_parent(config: DictConfig, study, n_trials) -> str:
     from klbench.record.store import ensure_experiment
     lg = config.logger
     sweep_dir = Path(config.hydra.sweep.dir)
-    exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root)
+    # a sweep usually creates the store: from the migrated template, as a single run does (record/store.py)
+    exp_id = ensure_experiment(lg.tracking_uri, lg.experiment, lg.artifact_root, config.paths.get("cache"))
     client = MlflowClient(lg.tracking_uri)
     parent = reopen_parent(client, study, exp_id) if study is not None else None
     if parent is None:

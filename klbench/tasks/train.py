@@ -172,7 +172,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             tracking.log_samples(record.logger, module.sample_tables, cfg)
             _print_summary(before, after, trainer.global_step, time.time() - t_train, built_s,
-                           getattr(module, "exact_keys", set()))
+                           getattr(module, "exact_keys", set()), payload.get("step") if payload else None)
             console.print_run_where(cfg, record.logger)
         for key in ("val/reward", "val/seq_kl"):
             if not math.isfinite(after.get(key, float("nan"))):
@@ -214,11 +214,13 @@ def _val_metrics(metrics) -> dict[str, float]:
 
 
 def _print_summary(before: dict | None, after: dict, step: int, train_s: float, built_s: float,
-                   exact: set[str]) -> None:
+                   exact: set[str], resumed_at: int | None = None) -> None:
     """train_s: the training and its validations; built_s: the models and data before it. `exact`: the
     metrics that are the truth (the tabular model), each beside its `_sampled` estimate from the samples."""
     keys = sorted(after)
-    print(f"\nklbench: {step} steps in {train_s:.0f} s (before them, building the models and data took "
+    # a resumed run times only the steps this process took
+    steps = f"{step} steps" if resumed_at is None else f"steps {resumed_at} -> {step} ({step - resumed_at})"
+    print(f"\nklbench: {steps} in {train_s:.0f} s (before them, building the models and data took "
           f"{built_s:.0f} s)")
     print(f"{'metric':<22} {'before (step 0)':>16} {'after (step ' + str(step) + ')':>18}")
     for k in keys:
