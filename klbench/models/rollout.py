@@ -8,10 +8,15 @@
 Every estimator assumes y ~ pi exactly, so the sampler is plain: softmax of the float32 logits, one
 torch.multinomial draw per row and step, no top-k/top-p, no logits processors. It draws exactly as
 generate(do_sample=True, top_k=0, top_p=1.0, temperature=1.0) does in transformers 5.x: the same
-forward calls (left-padded prefill with positions counted from each row's first real token, the
-mask dropped when nothing is padded, logits of the last position only), the same multinomial call
-on the same probabilities. Under one seed the tokens are identical (tests/test_rollout.py), and
-the RNG stream after a rollout is too, so a run's later steps do not move either.
+logits (left-padded prefill with positions counted from each row's first real token, the mask
+dropped when nothing is padded, logits of the last position only; a plain GPT-2 decodes with
+klbench/models/gpt2_decode.py, the same bits in half the time), and multinomial's own arithmetic on
+the same draws. Under one seed the tokens are identical (tests/test_rollout.py), and the RNG stream
+after a rollout is too, so a run's later steps do not move either.
+
+Where the time goes on CPU (the peer job of docs/running.md, 32 rows x 2,000 tokens): the Exp(1)
+noise behind each multinomial draw is a serial kernel as long as a whole decode step, so with two
+threads or more the next step's noise is drawn on one while the model runs on the others.
 
 What generate() does per token that this loop does not: build and run its logits-processor and
 stopping-criteria lists, re-derive its model inputs from a kwargs dict, and honour the model's
@@ -23,10 +28,14 @@ log-probs differ from the scoring pass's, Samples.logp is what an importance cor
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from klbench.models.gpt2_decode import gpt2_decoder
 
 
 @dataclass
@@ -51,49 +60,84 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                    eos_id: int, pad_id: int, threads: int | None = None) -> Samples:
+                    eos_id: int, pad_id: int, threads: int | None = None, fused: bool = True) -> Samples:
     """max_new_tokens (or fewer, once every row has emitted EOS) tokens per row, y ~ model at temperature 1.
 
     input_ids, attention_mask: [B, P] left-padded prompts. Device and dtype are the model's: the same
     loop runs on CPU and GPU, in float32 or bfloat16 (the sampling softmax is always float32).
-    threads: torch threads the loop runs with on CPU, restored afterwards (None: the process's). The
-    tokens do not depend on it. One thread was 12x faster on a heavily loaded 2-core machine and up to
-    15% slower on a quieter one (docs/embedded.md, "Rollouts"), so the default leaves it to the process.
+    threads: CPU threads the loop may use, restored afterwards (None: the process's torch threads). With
+    two or more, one draws the next step's sampling noise while the model runs on the rest. The tokens
+    do not depend on it (docs/embedded.md, "Rollouts", for what each count costs).
+    fused: decode a plain GPT-2 with klbench's own step (klbench/models/gpt2_decode.py: the same logits,
+    about half the time); other models, or fused=False, decode through the model's forward.
     """
     if max_new_tokens < 1:
         raise ValueError(f"kv_cache_sample: max_new_tokens must be >= 1, got {max_new_tokens}")
     previous = torch.get_num_threads()
-    if threads is not None and input_ids.device.type == "cpu":
-        torch.set_num_threads(threads)
+    n = previous if threads is None else threads
+    # CPU with two threads or more: one draws the next step's noise while the others run the model (below)
+    prefetch = input_ids.device.type == "cpu" and n >= 2
+    if input_ids.device.type == "cpu":
+        torch.set_num_threads(n - 1 if prefetch else n)
     try:
-        with torch.inference_mode():
-            tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id)
+        with torch.inference_mode(), ThreadPoolExecutor(1) if prefetch else nullcontext() as pool:
+            tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused, pool)
     finally:
         torch.set_num_threads(previous)
+    if not bool(torch.isfinite(logp).all()):  # torch.multinomial would have refused these probabilities
+        step = int((~torch.isfinite(logp)).any(0).int().argmax())
+        raise FloatingPointError(f"kv_cache_sample: non-finite logits at response step {step} "
+                                 f"(rows {(~torch.isfinite(logp[:, step])).nonzero().flatten().tolist()[:8]})")
     # out of inference mode: the scoring pass feeds these to an embedding whose backward saves its indices
     return Samples(tokens.clone(), logp.clone())
 
 
-def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id):
-    B = input_ids.shape[0]
+class _ForwardStep:
+    """The decode step through the model's own forward: (tok [B], pos [B]) -> [B, V] logits."""
+
+    def __init__(self, model, cache, mask):
+        self.model, self.cache, self.mask = model, cache, mask
+
+    def __call__(self, tok, pos):
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)  # [B, P + t + 1]
+        out = self.model(input_ids=tok[:, None], cache=self.cache, attention_mask=self.mask,
+                         position_ids=pos[:, None], use_cache=True, logits_to_keep=1)
+        self.cache = out.cache
+        return out.logits[:, -1]
+
+
+def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused, pool):
+    B, P = input_ids.shape
     pos = position_ids_from_mask(attention_mask)  # [B, P]
     # no padding: no mask at all, as generate() does (SDPA then takes its causal path: the same bits)
     mask = attention_mask if not bool(attention_mask.all()) else None
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    pos = pos[:, -1:]  # [B, 1] the last prompt position; each step advances it
+    pos = pos[:, -1]  # [B] the last prompt position; each step advances it
     cache = getattr(out, "cache", None)
     if cache is None:  # e.g. remote code that still names it past_key_values: one token without it is garbage
         raise ValueError(f"kv_cache_sample: {type(model).__name__} returned no KV cache (transformers 5's `cache`); "
                          "sample it with sampler='generate'")
+    decode = (gpt2_decoder(model, cache, mask, P + max_new_tokens) if fused else None) or \
+        _ForwardStep(model, cache, mask)
+    logits = out.logits[:, -1]  # [B, V]
+    del out, cache  # the prefill's logits and cache: the decoder holds what it needs
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)  # [B] rows past their EOS
     pad = torch.full((B,), pad_id, dtype=input_ids.dtype, device=input_ids.device)
     zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+    shape = (B, logits.shape[-1])
+
+    def noise() -> torch.Tensor:  # [B, V] ~ Exp(1), from the default generator of the device, as multinomial draws
+        return torch.empty(shape, dtype=torch.float32, device=input_ids.device).exponential_()
+
+    q = noise()
     tokens, logps = [], []
     for t in range(max_new_tokens):
-        logits = out.logits[:, -1].float()  # [B, V]
-        del out  # the prefill's logits go now, not at the next step
-        probs = torch.softmax(logits, -1)  # [B, V]
-        tok = torch.multinomial(probs, num_samples=1).squeeze(1)  # [B] generate()'s very call: same RNG draw
+        probs = torch.softmax(logits.float(), -1)  # [B, V]
+        # torch.multinomial(probs, 1) in ATen's one-sample path is argmax(probs / q), q ~ Exp(1) of probs' shape
+        # and dtype: the same arithmetic on the same draws, so generate()'s tokens and RNG state, with the draw
+        # taken out of the call so that the next one can be made while the model runs
+        tok = (probs / q).argmax(-1)  # [B]
         lp = probs.gather(-1, tok[:, None]).squeeze(1).log()  # [B] no second pass over [B, V]: a drawn p is > 1e-38
         tok = torch.where(done, pad, tok)
         tokens.append(tok)
@@ -101,12 +145,13 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_i
         done = done | (tok == eos_id)
         if t == max_new_tokens - 1 or bool(done.all()):  # one host sync a step, as generate() on CPU/GPU
             break
+        # the next draw only once the loop goes on: a batch that ends here leaves the RNG where generate() does.
+        # Its noise does not depend on these logits, so on CPU it is drawn on another core meanwhile (a serial
+        # kernel: 1.2 ms for [32, 2000] here, as long as the whole decode step)
+        pending = pool.submit(noise) if pool is not None else None
         pos = pos + 1
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)  # [B, P + t + 1]
-        out = model(input_ids=tok[:, None], cache=cache, attention_mask=mask, position_ids=pos,
-                    use_cache=True, logits_to_keep=1)
-        cache = out.cache
+        logits = decode(tok, pos)
+        q = pending.result() if pending is not None else noise()
     return torch.stack(tokens, 1), torch.stack(logps, 1)  # [B, L], [B, L]
 
 
