@@ -10,7 +10,7 @@ from klbench.models.embedded import ensure_embedded_lm
 from klbench.models.hf import load_causal_lm
 from klbench.models.policies import LMPolicy
 from klbench.models.gpt2_decode import gpt2_decoder, unsupported
-from klbench.models.rollout import generate_sample, kv_cache_sample, position_ids_from_mask
+from klbench.models.rollout import exp_noise, generate_sample, kv_cache_sample, position_ids_from_mask
 
 # prompts of different lengths: the batch is left-padded
 PROMPTS = ["The movie", "I did not like it", "A"]
@@ -169,3 +169,16 @@ def test_non_finite_logits_stop_the_rollout(gpt2_dir, single_thread):
     ids, attn = _batch(tok, n=1)
     with pytest.raises(FloatingPointError, match="non-finite logits at response step 0"):
         kv_cache_sample(model, ids, attn, 4, tok.eos_token_id, tok.pad_token_id, threads=2)
+
+
+@pytest.mark.parametrize("shape", [(32, 2000), (3, 7), (1,)])
+def test_exp_noise_is_exponential_bit_for_bit(shape):
+    """The vectorised draw gives exponential_()'s values and leaves the generator where exponential_() does."""
+    for seed in range(20):
+        torch.manual_seed(seed)
+        want = torch.empty(shape).exponential_()
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        got = exp_noise(shape, torch.device("cpu"))
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert torch.equal(torch.get_rng_state(), after)

@@ -14,9 +14,10 @@ klbench/models/gpt2_decode.py, the same bits in half the time), and multinomial'
 the same draws. Under one seed the tokens are identical (tests/test_rollout.py), and the RNG stream
 after a rollout is too, so a run's later steps do not move either.
 
-Where the time goes on CPU (the peer job of docs/running.md, 32 rows x 2,000 tokens): the Exp(1)
-noise behind each multinomial draw is a serial kernel as long as a whole decode step, so with two
-threads or more the next step's noise is drawn on one while the model runs on the others.
+Where the time went on CPU (the peer job of docs/running.md, 32 rows x 2,000 tokens): the Exp(1)
+noise behind each multinomial draw was a serial kernel as long as a whole decode step (exp_noise
+draws the same values in a third of the time), and transformers' decode step was two thirds
+overhead (gpt2_decode.py).
 
 What generate() does per token that this loop does not: build and run its logits-processor and
 stopping-criteria lists, re-derive its model inputs from a kwargs dict, and honour the model's
@@ -28,8 +29,6 @@ log-probs differ from the scoring pass's, Samples.logp is what an importance cor
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,23 +64,20 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
     input_ids, attention_mask: [B, P] left-padded prompts. Device and dtype are the model's: the same
     loop runs on CPU and GPU, in float32 or bfloat16 (the sampling softmax is always float32).
-    threads: CPU threads the loop may use, restored afterwards (None: the process's torch threads). With
-    two or more, one draws the next step's sampling noise while the model runs on the rest. The tokens
-    do not depend on it (docs/embedded.md, "Rollouts", for what each count costs).
+    threads: torch threads the loop runs with on CPU, restored afterwards (None: the process's). The
+    tokens do not depend on it. One thread was 12x faster on a heavily loaded 2-core machine and up to
+    15% slower on a quieter one (docs/embedded.md, "Rollouts"), so the default leaves it to the process.
     fused: decode a plain GPT-2 with klbench's own step (klbench/models/gpt2_decode.py: the same logits,
     about half the time); other models, or fused=False, decode through the model's forward.
     """
     if max_new_tokens < 1:
         raise ValueError(f"kv_cache_sample: max_new_tokens must be >= 1, got {max_new_tokens}")
     previous = torch.get_num_threads()
-    n = previous if threads is None else threads
-    # CPU with two threads or more: one draws the next step's noise while the others run the model (below)
-    prefetch = input_ids.device.type == "cpu" and n >= 2
-    if input_ids.device.type == "cpu":
-        torch.set_num_threads(n - 1 if prefetch else n)
+    if threads is not None and input_ids.device.type == "cpu":
+        torch.set_num_threads(threads)
     try:
-        with torch.inference_mode(), ThreadPoolExecutor(1) if prefetch else nullcontext() as pool:
-            tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused, pool)
+        with torch.inference_mode():
+            tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused)
     finally:
         torch.set_num_threads(previous)
     if not bool(torch.isfinite(logp).all()):  # torch.multinomial would have refused these probabilities
@@ -90,6 +86,20 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                                  f"(rows {(~torch.isfinite(logp[:, step])).nonzero().flatten().tolist()[:8]})")
     # out of inference mode: the scoring pass feeds these to an embedding whose backward saves its indices
     return Samples(tokens.clone(), logp.clone())
+
+
+def exp_noise(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """float32 Exp(1) noise from the device's default generator: the very values Tensor.exponential_() gives.
+
+    On CPU that kernel is serial: -log1p(-u) per element in float64, u drawn as uniform_() draws a float64,
+    then rounded to float32. Drawing the u with uniform_() (the same generator calls, so the same RNG state
+    after) and transforming them in one vectorised op gives the same bits in a third of the time (0.43 ms
+    against 1.41 ms for [32, 2000]; 0 mismatches in 10^8 draws, tests/test_rollout.py).
+    """
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=torch.float32, device=device).exponential_()
+    u = torch.empty(shape, dtype=torch.float64).uniform_()
+    return torch.log1p(u.neg_()).neg_().float()
 
 
 class _ForwardStep:
@@ -107,7 +117,7 @@ class _ForwardStep:
         return out.logits[:, -1]
 
 
-def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused, pool):
+def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused):
     B, P = input_ids.shape
     pos = position_ids_from_mask(attention_mask)  # [B, P]
     # no padding: no mask at all, as generate() does (SDPA then takes its causal path: the same bits)
@@ -126,17 +136,13 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_i
     pad = torch.full((B,), pad_id, dtype=input_ids.dtype, device=input_ids.device)
     zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     shape = (B, logits.shape[-1])
-
-    def noise() -> torch.Tensor:  # [B, V] ~ Exp(1), from the default generator of the device, as multinomial draws
-        return torch.empty(shape, dtype=torch.float32, device=input_ids.device).exponential_()
-
-    q = noise()
+    q = exp_noise(shape, input_ids.device)  # [B, V]
     tokens, logps = [], []
     for t in range(max_new_tokens):
         probs = torch.softmax(logits.float(), -1)  # [B, V]
         # torch.multinomial(probs, 1) in ATen's one-sample path is argmax(probs / q), q ~ Exp(1) of probs' shape
         # and dtype: the same arithmetic on the same draws, so generate()'s tokens and RNG state, with the draw
-        # taken out of the call so that the next one can be made while the model runs
+        # taken out of the call so that its noise comes from exp_noise, 3x faster on CPU
         tok = (probs / q).argmax(-1)  # [B]
         lp = probs.gather(-1, tok[:, None]).squeeze(1).log()  # [B] no second pass over [B, V]: a drawn p is > 1e-38
         tok = torch.where(done, pad, tok)
@@ -145,13 +151,9 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_i
         done = done | (tok == eos_id)
         if t == max_new_tokens - 1 or bool(done.all()):  # one host sync a step, as generate() on CPU/GPU
             break
-        # the next draw only once the loop goes on: a batch that ends here leaves the RNG where generate() does.
-        # Its noise does not depend on these logits, so on CPU it is drawn on another core meanwhile (a serial
-        # kernel: 1.2 ms for [32, 2000] here, as long as the whole decode step)
-        pending = pool.submit(noise) if pool is not None else None
         pos = pos + 1
         logits = decode(tok, pos)
-        q = pending.result() if pending is not None else noise()
+        q = exp_noise(shape, input_ids.device)  # only once the loop goes on, as generate(): the same RNG state after
     return torch.stack(tokens, 1), torch.stack(logps, 1)  # [B, L], [B, L]
 
 
