@@ -19,7 +19,7 @@ from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
 from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
-from klbench.models.rollout import SAMPLERS, Sampler, position_ids_from_mask
+from klbench.models.rollout import SAMPLERS, Sampler, attention_backends, position_ids_from_mask
 
 
 
@@ -139,9 +139,10 @@ class LMPolicy(Policy):
     def score(self, ro: Rollout) -> KLBatch:
         # left padding: positions count real tokens only, as the sampler did; once for both models
         pos = position_ids_from_mask(ro.attention)  # [B, P + L]
-        logits = self._logits(self.model, ro, pos)  # [B, L, V], differentiable
-        with torch.no_grad():
-            ref_logits = self._logits(self.ref, ro, pos)  # [B, L, V]
+        with attention_backends(pos.device):  # a new [B, P + L] every step: no cuDNN planning on CUDA
+            logits = self._logits(self.model, ro, pos)  # [B, L, V], differentiable
+            with torch.no_grad():
+                ref_logits = self._logits(self.ref, ro, pos)  # [B, L, V]
         resp = ro.tokens[:, ro.prompt_len:].unsqueeze(-1)  # [B, L, 1]
         logp = _token_logprob(logits, resp)
         ref_logp = _token_logprob(ref_logits, resp)

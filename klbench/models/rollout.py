@@ -29,6 +29,7 @@ log-probs differ from the scoring pass's, Samples.logp is what an importance cor
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,7 +77,7 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if threads is not None and input_ids.device.type == "cpu":
         torch.set_num_threads(threads)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_backends(input_ids.device):
             tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused)
     finally:
         torch.set_num_threads(previous)
@@ -86,6 +87,16 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                                  f"(rows {(~torch.isfinite(logp[:, step])).nonzero().flatten().tolist()[:8]})")
     # out of inference mode: the scoring pass feeds these to an embedding whose backward saves its indices
     return Samples(tokens.clone(), logp.clone())
+
+
+def attention_backends(device: torch.device):
+    """The context klbench's passes run SDPA in: on CUDA every backend but cuDNN's, which plans each new shape
+    anew, and a rollout's key length grows every step (on an H200 in bf16 a 20-step embedded run's steps took
+    21 s with it and 3 s without, tests/test_rollout_gpu.py). Elsewhere nothing changes."""
+    if device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def exp_noise(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -125,9 +136,11 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_i
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
     pos = pos[:, -1]  # [B] the last prompt position; each step advances it
     cache = getattr(out, "cache", None)
-    if cache is None:  # e.g. remote code that still names it past_key_values: one token without it is garbage
-        raise ValueError(f"kv_cache_sample: {type(model).__name__} returned no KV cache (transformers 5's `cache`); "
-                         "sample it with sampler='generate'")
+    if cache is None:  # transformers < 5.24, or remote code, names it past_key_values: one token without it is garbage
+        import transformers
+        raise ValueError(f"kv_cache_sample: {type(model).__name__} returned no KV cache under `cache` (transformers "
+                         f">= 5.24 names it so; this is {transformers.__version__}): upgrade transformers, or sample "
+                         "with sampler='generate'")
     decode = (gpt2_decoder(model, cache, mask, P + max_new_tokens) if fused else None) or \
         _ForwardStep(model, cache, mask)
     logits = out.logits[:, -1]  # [B, V]
@@ -161,8 +174,9 @@ def generate_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     eos_id: int, pad_id: int) -> Samples:
     """The same draw through transformers' generate(): the reference kv_cache_sample is tested against.
     No log-probs (generate() would need output_scores, a [B, V] copy per token)."""
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0, top_p=1.0,
-                         temperature=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id)
+    with attention_backends(input_ids.device):
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0, top_p=1.0,
+                             temperature=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id)
     return Samples(out[:, input_ids.shape[1]:], None)
 
 
