@@ -215,3 +215,17 @@ def test_an_unknown_library_setting_is_one_line_naming_the_valid_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"estimator.setting=verl.nope: verl 0.9.1 has no such setting; valid: "
                                           r"verl.kl_penalty.k1, "):
         run(cfg)
+
+
+def test_train_metrics_only_where_something_reads_them(tmp_path, monkeypatch):
+    """logger=none with no step bar (output not a terminal, as under pytest) skips the train/ metrics, which
+    draw no random numbers: the run's results are those of the same run with MLflow, which computes them."""
+    from klbench.tasks.rl import RLTask
+    calls = []
+    original = RLTask._log_train
+    monkeypatch.setattr(RLTask, "_log_train", lambda self, *a: calls.append(1) or original(self, *a))
+    quiet = run(compose_cfg(tmp_path / "none", TABULAR + ["logger=none"]))
+    assert calls == []
+    logged = run(compose_cfg(tmp_path / "mlflow", TABULAR))
+    assert len(calls) == 30 // 5  # task.log_every=5
+    assert quiet == logged

@@ -71,7 +71,7 @@ def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
     # at i == 0 old_logp is logp itself, detached: an on-policy batch for every estimator
     loss, n_clamped = task.total_loss(replace(batch, old_logp=c.old_logp), loss_reward,
                                       f"step {step} (step {i} of its rollout)")
-    if step % task.cfg["log_every"] == 0:
+    if task.logging_step(step):
         if i == 0:  # on-policy samples: every value estimator is valid
             task._log_train(batch, c.reward, c.ro, loss, n_clamped)
         else:  # value estimators assume y ~ pi: the train/kl_* metrics are logged at rollout starts only
