@@ -1,0 +1,128 @@
+"""The rollout engine and a step's scoring, side by side in one process (docs/embedded.md, "Rollouts";
+docs/running.md, "Speed").
+
+    python scripts/bench_rollout.py [--model PATH] [--rounds 15] [--threads N]
+
+On the issue-22 peer job's shapes (8 prompts x 4 samples x 32 new tokens; the tiny GPT-2 that
+scripts/bench_trl_peer.py builds under outputs/.bench, or any causal LM folder with --model), interleaved
+round by round so that a change in the machine's load hits every variant alike:
+- a rollout through generate(), through klbench's loop decoding with the model's forward (fused=False), and
+  with the fused GPT-2 step (the default); EOS is an id outside the vocabulary, so every rollout runs all
+  32 steps. The three must draw
+  the same tokens under one seed: the script stops if they do not;
+- the sampling noise for one step: Tensor.exponential_() against exp_noise (the same bits);
+- a training step's scoring, estimate and backward with estimator=loo and estimator=rb.
+Prints the machine, the threads, the load average, each variant's median and its ratio to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS, SAMPLES, NEW_TOKENS = 8, 4, 32
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(variants: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each variant, one call of each per round after one untimed warm-up round."""
+    times = {name: [] for name in variants}
+    for r in range(rounds + 1):
+        for name, fn in variants.items():
+            t = timed(fn)
+            if r:
+                times[name].append(t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def report(title: str, medians: dict[str, float], unit: float = 1e3, label: str = "ms") -> None:
+    base = next(iter(medians.values()))
+    print(title)
+    for name, m in medians.items():
+        print(f"  {name:44s} {m * unit:9.3f} {label}  {m / base:5.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a causal LM folder (default: the peer job's GPT-2 under outputs/.bench)")
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds per variant (default 15)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    a = p.parse_args()
+    if a.rounds < 1:
+        sys.exit("bench_rollout: --rounds must be >= 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_dir = a.model or next(iter(sorted(glob.glob(str(ROOT / "outputs/.bench/model-peer-gpt2-*")))), None)
+    if model_dir is None:
+        sys.exit("bench_rollout: no --model and no peer model under outputs/.bench: run "
+                 "`python scripts/bench_trl_peer.py --pairs 1 --steps 1` once to build it, or pass --model")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    from klbench.estimators import gradient_estimator
+    from klbench.models.embedded import embedded_prompts
+    from klbench.models.hf import load_causal_lm
+    from klbench.models.policies import LMPolicy
+    from klbench.models.rollout import exp_noise, generate_sample, kv_cache_sample
+
+    model, tok = load_causal_lm(model_dir)
+    ref, _ = load_causal_lm(model_dir)
+    enc = tok(embedded_prompts("train")[:PROMPTS], return_tensors="pt", padding=True)
+    ids = enc.input_ids.repeat_interleave(SAMPLES, 0)  # [B, P]
+    attn = enc.attention_mask.repeat_interleave(SAMPLES, 0)  # [B, P]
+    B, V = ids.shape[0], model.config.vocab_size
+    print(f"model: {model_dir} ({type(model).__name__}, vocab {V})")
+    print(f"machine: {os.cpu_count()} logical cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"load average {os.getloadavg()[0]:.2f} at the start")
+    print(f"job: {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, float32, {a.rounds} rounds\n")
+
+    def draw(sampler, **kw):
+        def run():
+            torch.manual_seed(0)
+            return sampler(model, ids, attn, NEW_TOKENS, eos_id=V, pad_id=tok.pad_token_id, **kw).tokens  # V: no token
+        return run
+
+    rollouts = {"generate()": draw(generate_sample),
+                "kv_cache_sample, model's forward (fused=False)": draw(kv_cache_sample, fused=False),
+                "kv_cache_sample, fused GPT-2 step (default)": draw(kv_cache_sample)}
+    tokens = [fn() for fn in rollouts.values()]
+    if not all(torch.equal(t, tokens[0]) for t in tokens):
+        sys.exit("bench_rollout: the three samplers drew different tokens under one seed")
+    report(f"rollout ({NEW_TOKENS} steps, the same tokens from all three)", interleaved(rollouts, a.rounds))
+
+    buf = torch.empty(B, V)
+    noise = {"Tensor.exponential_()": lambda: buf.exponential_(),
+             "exp_noise (float64 uniform_, -log1p(-u))": lambda: exp_noise((B, V), torch.device("cpu"))}
+    report(f"\nsampling noise for one step, [{B}, {V}]", interleaved(noise, a.rounds * 20), 1e6, "us")
+
+    policy = LMPolicy(model, ref, tok, NEW_TOKENS)
+    torch.manual_seed(0)
+    ro = policy.rollout(embedded_prompts("train")[:PROMPTS], SAMPLES)
+
+    def step(name):
+        est = gradient_estimator(name)
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            batch = policy.score(ro)
+            (est.estimate(batch).values.mean() - batch.masked_logp.sum(-1).mean()).backward()
+        return run
+
+    report("\na training step's scoring (policy and reference), estimate and backward",
+           interleaved({"estimator=loo": step("loo"), "estimator=rb": step("rb")}, a.rounds))
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

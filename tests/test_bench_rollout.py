@@ -1,0 +1,21 @@
+"""scripts/bench_rollout.py runs end to end on a tiny GPT-2 folder: its three samplers draw the same tokens
+(the script stops otherwise) and it prints every variant's median and ratio."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_rollout_runs_and_its_samplers_agree(tiny_lm_dir):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_rollout.py"), "--model", tiny_lm_dir,
+                           "--rounds", "1", "--threads", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = re.findall(r"^  (.+?)\s+([\d.]+) (ms|us)\s+([\d.]+)x$", proc.stdout, re.M)
+    assert [r[0].split(" (")[0].split(",")[0] for r in rows] == [
+        "generate()", "kv_cache_sample", "kv_cache_sample", "Tensor.exponential_()", "exp_noise",
+        "estimator=loo", "estimator=rb"]
+    assert all(float(r[1]) > 0 for r in rows)
