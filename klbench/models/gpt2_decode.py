@@ -3,9 +3,9 @@
     step = gpt2_decoder(model, cache, attention_mask, total_len)   # None where the model is not a plain GPT-2
     logits = step(tok, pos)                                         # [B, V], as model(tok, cache=...) gives them
 
-At the sizes klbench trains on CPU the decode step is all overhead: for the 2-layer, 128-wide GPT-2 of
-the peer job (docs/running.md, "Speed") transformers spends about 1.5 ms a step in module calls, kwargs,
-mask building and cache bookkeeping around well under 1 ms of arithmetic. This step makes the same
+At the sizes klbench trains on CPU the decode step is mostly overhead: for the 2-layer, 128-wide GPT-2 of
+the peer job (docs/running.md, "Speed") a transformers step takes 1.5 to 2.2 ms, of which the kernels are
+about 0.75 ms and the rest module calls, kwargs, mask building and cache bookkeeping. This step makes the same
 tensor calls that GPT2LMHeadModel's forward makes, in the same order and on the same weights (layer
 norms, Conv1D's addmm, SDPA over the keys so far with the same boolean padding mask, the model's own
 activation module, the tied LM head), so the logits are the same bits (tests/test_rollout.py checks
