@@ -13,7 +13,8 @@ import klbench.models.embedded.spec as embedded_spec
 from klbench.models.embedded import embedded_lm_dir, ensure_embedded_lm
 from klbench.models.embedded.build import train_tokenizer
 from klbench.models.embedded.corpus import embedded_prompts, generate_reviews
-from klbench.models.hf import check_same_vocab, load_causal_lm, position_ids_from_mask
+from klbench.models.hf import check_same_vocab, load_causal_lm
+from klbench.models.rollout import position_ids_from_mask
 from klbench.models.rewards import HFClassifierReward, VaderReward
 
 # A spec small enough to pretrain in a couple of seconds: only the plumbing is under test.

@@ -36,8 +36,11 @@ def unsupported(model) -> str | None:
         return f"attention implementation {cfg._attn_implementation!r} (the fused step is SDPA's)"
     for i, block in enumerate(model.transformer.h):
         layers = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
-        if not all(type(m) is Conv1D for m in layers) or type(block.ln_1) is not torch.nn.LayerNorm:
+        norms = (block.ln_1, block.ln_2)
+        if not all(type(m) is Conv1D for m in layers) or not all(type(n) is torch.nn.LayerNorm for n in norms):
             return f"block {i} has replaced layers (an adapter?)"
+    if type(model.transformer.ln_f) is not torch.nn.LayerNorm:
+        return "the final layer norm is replaced"
     if model.lm_head.bias is not None or type(model.lm_head) is not torch.nn.Linear:
         return "the LM head is not a bias-free Linear"
     return None

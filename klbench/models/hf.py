@@ -2,7 +2,6 @@
 
     load_causal_lm(name_or_path, dtype="float32") -> (model, tokenizer)
     check_same_vocab(tok_a, tok_b, what_a="policy", what_b="reference")
-    position_ids_from_mask(attention_mask) -> position ids that match generate()
     context_length(config) -> ("n_positions", 1024): the positions prompt and response share
 
 The embedded models are folders like any other: klbench.models.embedded builds and caches
@@ -17,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klbench.console import messages as console
 from klbench.models import DTYPES
-from klbench.models.rollout import position_ids_from_mask  # noqa: F401 (defined with the sampler that must match it)
 
 
 # the config attributes that name a causal LM's context (positions for prompt and response together)

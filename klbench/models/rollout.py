@@ -81,10 +81,11 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
             tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused)
     finally:
         torch.set_num_threads(previous)
-    if not bool(torch.isfinite(logp).all()):  # torch.multinomial would have refused these probabilities
-        step = int((~torch.isfinite(logp)).any(0).int().argmax())
+    bad = ~torch.isfinite(logp)  # [B, L] torch.multinomial would have refused these probabilities
+    if bool(bad.any()):
+        step = int(bad.any(0).int().argmax())
         raise FloatingPointError(f"kv_cache_sample: non-finite logits at response step {step} "
-                                 f"(rows {(~torch.isfinite(logp[:, step])).nonzero().flatten().tolist()[:8]})")
+                                 f"(rows {bad[:, step].nonzero().flatten().tolist()[:8]})")
     # out of inference mode: the scoring pass feeds these to an embedding whose backward saves its indices
     return Samples(tokens.clone(), logp.clone())
 

@@ -130,7 +130,9 @@ class RLTask(pl.LightningModule):
 
     def _log_now(self, metrics: dict) -> None:
         """Logs at this step only: Lightning's self.log would repeat the last values on every later step.
-        Averaged over DDP processes, as validation metrics are."""
+        Averaged over DDP processes, as validation metrics are; nothing where nothing reads them (on_fit_start)."""
+        if not self.metrics_read:
+            return
         keys = list(metrics)
         values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=self.device).reshape(())
                               for k in keys])
