@@ -110,3 +110,20 @@ def test_resume_without_a_checkpoint_says_what_to_do(tmp_path):
     assert "start it again without ckpt_path" in resumed.stderr, resumed.stderr[-2000:]
     r = client.get_run(run_id)
     assert r.info.status == "KILLED" and "resume refused" in r.data.tags[runs.ENDED]
+
+
+def test_a_refused_resume_leaves_the_runs_hydra_files(tmp_path):
+    """Hydra saves the config into <run folder>/.hydra at every start: a resume refused for another config used
+    to overwrite the files that describe the run. Each later start now saves into .hydra/attempt-<time>."""
+    outputs, run = tmp_path / "outputs", tmp_path / "run"
+    assert klbench(outputs, *TABULAR, "seed=0", f"hydra.run.dir={run}").returncode == 0
+    saved = {p.name: p.read_text() for p in (run / ".hydra").glob("*.yaml")}
+    assert set(saved) == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    for seed in (1, 0):  # refused (another seed), then accepted (the finished run: left as it is)
+        proc = klbench(outputs, *TABULAR, f"seed={seed}", f"hydra.run.dir={run}", "ckpt_path=last")
+        assert proc.returncode == (1 if seed else 0), proc.stderr[-2000:]
+    assert {p.name: p.read_text() for p in (run / ".hydra").glob("*.yaml")} == saved
+    attempts = sorted((run / ".hydra").glob("attempt-*"))
+    assert len(attempts) == 2  # one folder each, even within one second
+    assert ["seed=1" in (a / "overrides.yaml").read_text() for a in attempts] == [True, False]
+    assert all("ckpt_path=last" in (a / "overrides.yaml").read_text() for a in attempts)

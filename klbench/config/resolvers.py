@@ -8,6 +8,7 @@ klbench.config.compose both call (nothing is registered as a side effect of an i
 | klbench_outputs | $KLBENCH_OUTPUTS, else ./outputs (klbench.record.store) | paths.outputs |
 | klbench_tracking_uri | $MLFLOW_TRACKING_URI, else the outputs folder's SQLite store | store.mlflow |
 | klbench_claim | a run or sweep folder no other process shares (klbench.record.rundir) | hydra.run.dir, hydra.sweep.dir |
+| klbench_config_subdir | `.hydra`, or for a later start in the same folder `.hydra/attempt-<time>` (klbench.record.rundir) | hydra.output_subdir |
 | klbench_cache | the per-user cache of embedded models (klbench.models.embedded.cache) | paths.cache |
 
 It also puts the declared defaults of the options models into Hydra's ConfigStore, as root configs that
@@ -44,6 +45,7 @@ def register() -> None:
         "klbench_tracking_uri": (store.tracking_uri, False),
         # cached, like Hydra's `now`: one folder per process, and the cache travels into a sweep's trials
         "klbench_claim": (rundir.claim, True),
+        "klbench_config_subdir": (rundir.config_subdir, True),
         "klbench_cache": (lambda: str(cache_dir()), False),
     }
     for name, (fn, cache) in resolvers.items():

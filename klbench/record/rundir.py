@@ -10,10 +10,16 @@ The resolver is cached (like Hydra's `now`), and the cache travels with the conf
 trial processes (Hydra copies it; submitit pickles it), so a process claims once and its trials find
 the same folder. A folder named on the command line (`hydra.run.dir=...`, e.g. to resume) is used as
 given: the resolver is never called. No torch, Lightning or Hydra here.
+
+Hydra saves the config a run started with into <run folder>/.hydra at every start, a resume's too, so
+a resume refused for a changed config used to overwrite the files that describe the run. The
+`klbench_config_subdir` resolver (hydra.output_subdir) keeps `.hydra` for a folder's first start and
+gives every later one a folder of its own, `.hydra/attempt-<time>[-N]`.
 """
 from __future__ import annotations
 
 import os
+import time
 
 MAX_TRIES = 10_000  # distinct names per base name; a folder holding more is not a race but a loop
 
@@ -29,3 +35,12 @@ def claim(base: str) -> str:
             continue
         return path
     raise RuntimeError(f"{MAX_TRIES} run folders named {base}[-N] exist already; choose hydra.run.dir yourself")
+
+
+def config_subdir(output_dir: str) -> str:
+    """hydra.output_subdir, relative to the run folder `output_dir`: `.hydra` where no run has started yet,
+    else a new `.hydra/attempt-<time>[-N]` of this process (claimed, so parallel attempts get one each)."""
+    if not os.path.isfile(os.path.join(output_dir, ".hydra", "config.yaml")):
+        return ".hydra"
+    base = os.path.join(output_dir, ".hydra", time.strftime("attempt-%Y-%m-%d_%H-%M-%S"))
+    return os.path.relpath(claim(base), output_dir)
