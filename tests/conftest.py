@@ -10,12 +10,33 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # tests never write to the user's cache (~/.cache/klbench) or to a record or run named in the environment:
 # the embedded models they build go to one cache for the session (a test may set its own KLBENCH_CACHE),
-# shared by every test and the `klbench` subprocesses they start
-os.environ["KLBENCH_CACHE"] = tempfile.mkdtemp(prefix="klbench-test-cache-")
-atexit.register(shutil.rmtree, os.environ["KLBENCH_CACHE"], ignore_errors=True)
+# shared by every test and the `klbench` subprocesses they start. Under pytest-xdist the workers inherit
+# the controller's cache (builds into it take a file lock), so the embedded models are built once per run
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("KLBENCH_TEST_CACHE"):
+    os.environ["KLBENCH_CACHE"] = os.environ["KLBENCH_TEST_CACHE"]  # removed by the controller at its exit
+else:
+    os.environ["KLBENCH_CACHE"] = os.environ["KLBENCH_TEST_CACHE"] = tempfile.mkdtemp(prefix="klbench-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KLBENCH_CACHE"], ignore_errors=True)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # pytest-xdist workers share the cores: one torch thread each (and in the `klbench` processes they start),
+    # or OpenMP barriers spin on threads the other worker has descheduled
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 RECORD_VARS = ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID", "KLBENCH_RESUME_CKPT")
 for _var in RECORD_VARS:
     os.environ.pop(_var, None)
+
+
+# the server tests share one session fixture each (a SLURM cluster on fixed ports, one PostgreSQL): under
+# pytest-xdist (-n 2 in pyproject.toml) each kind runs on one worker, started once; the rest spread out
+SERVER_GROUPS = ("slurm", "servers")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for group in SERVER_GROUPS:
+            if item.get_closest_marker(group):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)
