@@ -85,11 +85,15 @@ def resume_command() -> str:
 
 
 def hydra_override(key: str, value: str) -> str:
-    """key=value as Hydra's override parser reads it back: a value with spaces or characters the parser
-    gives a meaning to is quoted (Hydra's own quotes; the shell's come on top)."""
-    if re.fullmatch(r"[\w./@:+-]+", value):
+    """key=value that Hydra's override parser, then OmegaConf, read back as the string `value` (the shell's
+    quotes come on top). Left bare: ASCII path characters with a '/' (never a number, bool or null).
+    Otherwise in Hydra's quotes, where ${ would be an interpolation (written \\${, a backslash run before
+    it doubled) and a backslash run before a quote or at the end is doubled, the quote escaped."""
+    if "/" in value and re.fullmatch(r"[\w./@:+-]+", value, re.ASCII):
         return f"{key}={value}"
-    return f'{key}="' + value.replace('"', '\\"') + '"'
+    v = re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", value)
+    v = re.sub(r'(\\*)("|$)', lambda m: m[1] * 2 + ('\\"' if m[2] else ""), v)
+    return f'{key}="{v}"'
 
 
 def _discard_run_folder(outputs: Path) -> None:

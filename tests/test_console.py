@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_sweeps import cli_env
 
 from klbench.console import messages as console
@@ -84,6 +85,36 @@ def test_where_lines_paste_into_a_shell_with_spaces_in_the_outputs_path(tmp_path
     assert argv[:2] == ["--backend-store-uri", f"sqlite:///{outputs.resolve()}/mlflow.db"], lines["to see it"]
     run_id = lines["MLflow run"].split()[0]
     assert MlflowClient(tracking_uri=argv[1]).get_run(run_id).info.status == "FINISHED"
+
+
+def _read_back(override: str) -> object:
+    """The value a `key=value` on the command line becomes: Hydra's override parser, then OmegaConf."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+    return OmegaConf.create({"v": OverridesParser.create().parse_override(override).value()}).v
+
+
+@pytest.mark.parametrize("value", ["/runs/2026-11-25/01-02-03-rl-rb", "/home/josé/runs/a", "/tmp/my runs/x",
+                                   "/tmp/a\\", "/tmp/a\\\\", '/tmp/a\\"b', '/tmp/"q"', "/tmp/a${x}", "/tmp/a\\${x}",
+                                   "/tmp/a'b", "/tmp/a=b,c", "relative/dir", "123", "true", "null"])
+def test_resume_override_reads_back_as_the_run_folder(value):
+    """The resume command's hydra.run.dir=... reads back as the folder, whatever its characters: before, a
+    non-ASCII name was left unquoted (a parse error), a trailing backslash escaped the closing quote, and ${
+    became an interpolation."""
+    from klbench.cli import hydra_override
+    assert _read_back(hydra_override("hydra.run.dir", value)) == value
+
+
+def test_resume_override_reads_back_for_every_short_string():
+    """Every string of up to 3 characters over the characters Hydra or OmegaConf give a meaning to (longer runs
+    of backslashes before a quote or ${ are in the cases above)."""
+    import itertools
+    from klbench.cli import hydra_override
+    alphabet = ["a", "\\", '"', "$", "{", "}", "'", " ", "é", "/"]
+    for n in range(1, 4):
+        for chars in itertools.product(alphabet, repeat=n):
+            value = "".join(chars)
+            assert _read_back(hydra_override("k", value)) == value, value
 
 
 VERBOSITY = """
