@@ -98,6 +98,7 @@ class StepLines(Callback):
     def __init__(self, what: str, parts: int = 10) -> None:
         self.what, self.parts = what, parts
         self.t0 = 0.0
+        self.first = 0  # the step training started (or resumed) at: the rate counts steps from it
         self.next = 0  # the step of the next line
 
     def on_train_start(self, trainer, pl_module) -> None:
