@@ -115,12 +115,13 @@ class RedactHydraFiles:
     A plain class, not Hydra's Callback, so that importing this module imports no Hydra; it defines
     every hook Hydra calls. Holds nothing: submitit pickles it into every trial."""
 
-    def _here(self, config) -> None:
+    @staticmethod
+    def _here() -> None:
         redact_logs()
-        if has_secret(_select(config, "logger.tracking_uri")):
-            # MLflow prints "View run ... at: <tracking URI>" with the login in it; klbench prints the
-            # same page, redacted (klbench.console.messages)
-            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+        # with a tracking server MLflow prints "View run ... at: <tracking URI>" when a run ends: after the
+        # run's last lines, a second link to the page klbench's own line opens in the model-training view
+        # (klbench.console.messages), and with the login in it where the URI has one
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
     def _warn_command_line(self, config, sweep: bool) -> None:
         from omegaconf import OmegaConf
@@ -148,14 +149,14 @@ class RedactHydraFiles:
                 redact_file(path)
 
     def on_run_start(self, config, **kwargs) -> None:
-        self._here(config)
+        self._here()
         self._warn_command_line(config, sweep=False)
 
     def on_run_end(self, config, **kwargs) -> None:
         self._job_files(config)
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        self._here(config)
+        self._here()
         self._warn_command_line(config, sweep=True)
         self._sweep_files(config)
 
@@ -163,7 +164,7 @@ class RedactHydraFiles:
         self._sweep_files(config)
 
     def on_job_start(self, config, **kwargs) -> None:
-        self._here(config)
+        self._here()
         self._job_files(config)
         if "MULTIRUN" in _select(config, "hydra.mode"):  # reading hydra.sweep.dir in a single run claims a folder
             self._sweep_files(config)  # the basic sweeper's multirun.yaml exists by the first job

@@ -12,6 +12,7 @@ import time
 import mlflow
 import pytest
 
+from klbench.cli import hydra_override
 from klbench.record import runs
 from test_record import env_for
 
@@ -20,10 +21,11 @@ pytestmark = pytest.mark.servers
 
 def test_run_outlives_its_server_then_resumes(own_mlflow_server, tmp_path):
     server = own_mlflow_server
-    run_dir = tmp_path / "run folder"  # a space: the printed command must still paste
+    # spaces, quotes, backslashes (one at the end), non-ASCII: the printed command must still paste
+    run_dir = tmp_path / "run folder 'é' a\\b\"q\\"  # ends in a backslash
     env = {**env_for(tmp_path / "outputs"), "MLFLOW_TRACKING_URI": server.url,
            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
-    args = ["experiment=tabular", "task.max_steps=100000", "task.val_every=100", f'hydra.run.dir="{run_dir}"']
+    args = ["experiment=tabular", "task.max_steps=100000", "task.val_every=100", hydra_override("hydra.run.dir", str(run_dir))]
     proc = subprocess.Popen([sys.executable, "-m", "klbench.cli", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
@@ -44,5 +46,6 @@ def test_run_outlives_its_server_then_resumes(own_mlflow_server, tmp_path):
     resumed = subprocess.run([sys.executable, "-m", "klbench.cli", *argv, "ckpt_allow_changes=[task.max_steps]"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "View run" not in resumed.stdout, resumed.stdout[-2000:]  # klbench's own link ends the run's output
     r = mlflow.MlflowClient(server.url).get_run(run_id)
     assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == "200"
