@@ -157,7 +157,10 @@ def test_ddp_two_cpu_processes(tmp_path):
     import subprocess
     env = {**os.environ, "KLBENCH_OUTPUTS": str(tmp_path / "outputs"), "HF_HUB_OFFLINE": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.run(["klbench", "experiment=tabular", "hardware=ddp", "hardware.accelerator=cpu",
+    import sys
+    from pathlib import Path
+    klbench = str(Path(sys.executable).with_name("klbench"))  # the installed entry point, found without PATH
+    proc = subprocess.run([klbench, "experiment=tabular", "hardware=ddp", "hardware.accelerator=cpu",
                            "hardware.devices=2", "task.max_steps=6", "task.val_every=3"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
