@@ -1,5 +1,9 @@
 """Policies, Hugging Face and embedded models, rewards and prompt data."""
+from klbench.models import lazy_scipy
 
 # the dtypes a model loads in (model.dtype), by torch's name: klbench.models.hf maps them to torch's dtypes,
 # klbench.config.schema checks them before torch is imported
 DTYPES = ("float32", "bfloat16", "float16")
+
+# before any klbench module imports transformers: its object-detection losses import scipy.optimize for nothing
+lazy_scipy.install()

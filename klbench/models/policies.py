@@ -19,6 +19,8 @@ from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
 from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
+from klbench.models import gpt2_decode
+from klbench.models.gpt2_score import gpt2_logits
 from klbench.models.rollout import SAMPLERS, Sampler, attention_backends, position_ids_from_mask
 
 
@@ -133,7 +135,11 @@ class LMPolicy(Policy):
         L = ro.mask.shape[1]
         # the LM head projects the last L + 1 positions only, not the prompt's (the same bits where it runs);
         # a model that ignores logits_to_keep returns all positions, and the slice from the end still holds
-        logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos, logits_to_keep=L + 1).logits
+        if gpt2_decode.unsupported(model) is None:  # a plain GPT-2: the same bits without transformers' layers
+            logits = gpt2_logits(model, ro.tokens, ro.attention, pos, L + 1)
+        else:
+            logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos,
+                           logits_to_keep=L + 1).logits
         return logits[:, -(L + 1): -1]
 
     def score(self, ro: Rollout) -> KLBatch:
