@@ -1,7 +1,7 @@
 """The rollout engine and a step's scoring, side by side in one process (docs/embedded.md, "Rollouts";
 docs/running.md, "Speed").
 
-    python scripts/bench_rollout.py [--model PATH] [--rounds 15] [--threads N]
+    python scripts/bench_rollout.py [--model PATH] [--rounds 15] [--threads N] [--steps 50] [--floor-only]
 
 On the issue-22 peer job's shapes (8 prompts x 4 samples x 32 new tokens; the tiny GPT-2 that
 scripts/bench_trl_peer.py builds under outputs/.bench, or any causal LM folder with --model), interleaved
@@ -11,7 +11,12 @@ round by round so that a change in the machine's load hits every variant alike:
   32 steps. The three must draw
   the same tokens under one seed: the script stops if they do not;
 - the sampling noise for one step: Tensor.exponential_() against exp_noise (the same bits);
-- a training step's scoring, estimate and backward with estimator=loo and estimator=rb.
+- a training step's scoring, estimate and backward with estimator=loo and estimator=rb;
+- the floor of the peer job's 50 steps: what a training step's aten ops alone take (rollout with the
+  tokenizer's EOS, scoring, estimate=loo, backward, AdamW; torch's profiler, self time of every aten:: op,
+  nothing of the Python between them), times 50, plus a process that only imports torch, torch._dynamo
+  (torch.optim's step imports it) and transformers and loads the model. No implementation of this job that
+  draws generate()'s samples with these kernels runs faster; scripts/bench_trl_peer.py gives TRL's time.
 Prints the machine, the threads, the load average, each variant's median and its ratio to the first.
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import glob
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,9 +65,12 @@ def main() -> None:
     p.add_argument("--model", help="a causal LM folder (default: the peer job's GPT-2 under outputs/.bench)")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds per variant (default 15)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--steps", type=int, default=50, help="training steps the floor is for (default 50)")
+    p.add_argument("--floor-only", action="store_true",
+                   help="only the floor, ending with a line `floor_seconds S` (scripts/bench_trl_peer.py --floor)")
     a = p.parse_args()
-    if a.rounds < 1:
-        sys.exit("bench_rollout: --rounds must be >= 1")
+    if a.rounds < 1 or a.steps < 1:
+        sys.exit("bench_rollout: --rounds and --steps must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = a.model or next(iter(sorted(glob.glob(str(ROOT / "outputs/.bench/model-peer-gpt2-*")))), None)
     if model_dir is None:
@@ -86,6 +95,8 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} logical cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.2f} at the start")
     print(f"job: {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, float32, {a.rounds} rounds\n")
+    if a.floor_only:
+        return floor(LMPolicy(model, ref, tok, NEW_TOKENS), model_dir, a.rounds, a.steps)
 
     def draw(sampler, **kw):
         def run():
@@ -121,7 +132,56 @@ def main() -> None:
 
     report("\na training step's scoring (policy and reference), estimate and backward",
            interleaved({"estimator=loo": step("loo"), "estimator=rb": step("rb")}, a.rounds))
+    floor(policy, model_dir, a.rounds, a.steps)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+
+
+def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
+    """The peer job's lower bound: `steps` x a training step's aten-op time + importing and loading."""
+    from torch.profiler import profile
+
+    from klbench.estimators import gradient_estimator
+    from klbench.models.embedded import embedded_prompts
+
+    est = gradient_estimator("loo")
+    opt = torch.optim.AdamW(policy.trainable(), lr=1e-4, weight_decay=0.0)
+    prompts = embedded_prompts("train")[:PROMPTS]
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        ro = policy.rollout(prompts, SAMPLES)
+        batch = policy.score(ro)
+        (est.estimate(batch).values.mean() - batch.masked_logp.sum(-1).mean()).backward()
+        opt.step()
+
+    train_step()  # warm-up, and torch.optim's first step imports torch._dynamo
+    wall_ms = statistics.median(timed(train_step) for _ in range(rounds)) * 1e3
+    with profile() as prof:
+        for _ in range(rounds):
+            train_step()
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    op_ms = sum(e.self_cpu_time_total for e in ops) / rounds / 1e3
+    calls = sum(e.count for e in ops) / rounds
+    code = ("import torch, torch._dynamo, klbench.models\nfrom transformers import AutoModelForCausalLM\n"
+            f"AutoModelForCausalLM.from_pretrained({model_dir!r})")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    loads = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True)
+        loads.append(time.perf_counter() - t0)
+    load = statistics.median(loads)
+    print(f"\nthe floor of the peer job's {steps} steps")
+    print(f"  a training step, unprofiled (rollout, scoring, loo, backward, AdamW)   {wall_ms:9.1f} ms  "
+          f"(median of {rounds})")
+    print(f"  its aten ops alone ({calls:.0f} calls; the profiler's own cost included)  {op_ms:9.1f} ms  "
+          f"(mean of {rounds}, profiled)")
+    print(f"  a process importing torch, torch._dynamo, transformers; loading the model {load:7.2f} s   "
+          f"(median of 3)")
+    total = load + steps * op_ms / 1e3
+    print(f"  floor: {load:.2f} s + {steps} x {op_ms:.1f} ms = {total:.1f} s, with no Python, "
+          "no reward and no validation")
+    print(f"floor_seconds {total:.3f}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python scripts/bench_trl_peer.py [--pairs 3] [--steps 50] [--work outputs/.bench] [--trl-python PATH]
     python scripts/bench_trl_peer.py --pairs 1 --steps 5          # a quick check that both sides run
+    python scripts/bench_trl_peer.py --floor                      # and klbench's floor beside each pair
 
 The job (issue 22), the same on both sides:
 - a tiny GPT-2 (2 layers, 4 heads, 128 wide, byte-level BPE vocabulary 2,000), built offline once with klbench's
@@ -196,6 +197,17 @@ def run_klbench(model: str, prompts: tuple[Path, Path], steps: int, seed: int, w
     return {"wall": wall, "rss": rss, "reward_before": float(m[1]), "reward_end": float(m[2])}
 
 
+def run_floor(model: str, steps: int, work: Path, tag: str) -> float:
+    """The floor of klbench's side (scripts/bench_rollout.py --floor-only), run now, beside the pair."""
+    cmd = [sys.executable, str(Path(__file__).with_name("bench_rollout.py")), "--floor-only", "--model", model,
+           "--steps", str(steps)]
+    _, _, out = timed(cmd, work / f"{tag}.log", {**os.environ, "HF_HUB_OFFLINE": "1"})
+    m = re.search(r"^floor_seconds (\S+)", out, re.M)
+    if not m:
+        sys.exit(f"bench_trl_peer: no floor_seconds line in {work / f'{tag}.log'}")
+    return float(m[1])
+
+
 def run_trl(py: Path, model: str, prompts: Path, steps: int, seed: int, work: Path, tag: str) -> dict:
     out_dir = work / tag
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -231,6 +243,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50, help="optimisation steps per run (default 50)")
     p.add_argument("--work", default="outputs/.bench", help="the TRL venv, the prompts, the runs' logs")
     p.add_argument("--trl-python", help="a python with trl==1.16.0 and vaderSentiment (default: make one)")
+    p.add_argument("--floor", action="store_true",
+                   help="after each pair, the floor of klbench's side too (scripts/bench_rollout.py --floor-only)")
     p.add_argument("--pretrain-steps", type=int, default=800,
                    help="next-token pretraining of the tiny GPT-2 before RL (klbench's embedded default: 800)")
     a = p.parse_args()
@@ -245,7 +259,7 @@ def main() -> None:
           f"{prompts[1].name})\n"
           f"job: {PROMPTS_PER_STEP} prompts x {SAMPLES} samples x {NEW_TOKENS} tokens, {a.steps} steps, fp32, CPU",
           flush=True)
-    load_start, rows = load(), []
+    load_start, rows, floors = load(), [], []
     for i in range(1, a.pairs + 1):
         before = load()
         sides = {}
@@ -255,13 +269,21 @@ def main() -> None:
                            run_trl(py, model, prompts[0], a.steps, i, work, tag))
         k, t = sides["klbench"], sides["trl"]
         rows.append((k, t))
+        floor = ""
+        if a.floor:
+            floors.append(run_floor(model, a.steps, work, f"pair{i}-floor"))
+            floor = f"; klbench's floor {floors[-1]:.1f} s, floor/TRL {floors[-1] / t['wall']:.2f}"
         print(f"pair {i}: klbench {k['wall']:.1f} s ({k['rss']:.0f} MiB), TRL {t['wall']:.1f} s ({t['rss']:.0f} MiB), "
-              f"klbench/TRL {k['wall'] / t['wall']:.2f}; reward at step {a.steps}: klbench {k['reward_end']:+.3f}, "
-              f"TRL {t['reward_end']:+.3f}; load average {before} -> {load()}", flush=True)
+              f"klbench/TRL {k['wall'] / t['wall']:.2f}{floor}; reward at step {a.steps}: klbench "
+              f"{k['reward_end']:+.3f}, TRL {t['reward_end']:+.3f}; load average {before} -> {load()}", flush=True)
     ratios = [k["wall"] / t["wall"] for k, t in rows]
     mean = statistics.fmean
     print(f"\nmedian wall-time ratio klbench/TRL: {statistics.median(ratios):.2f} "
           f"(pairs: {', '.join(f'{r:.2f}' for r in ratios)})")
+    if floors:
+        under = [f / t["wall"] for f, (_, t) in zip(floors, rows)]
+        print(f"median floor/TRL: {statistics.median(under):.2f} (pairs: {', '.join(f'{r:.2f}' for r in under)}): "
+              "klbench's side with no Python, no reward and no validation (scripts/bench_rollout.py)")
     print(f"median wall: klbench {statistics.median(k['wall'] for k, _ in rows):.1f} s, "
           f"TRL {statistics.median(t['wall'] for _, t in rows):.1f} s")
     print(f"peak RSS (max over pairs): klbench {max(k['rss'] for k, _ in rows):.0f} MiB, "
