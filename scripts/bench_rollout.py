@@ -14,7 +14,8 @@ round by round so that a change in the machine's load hits every variant alike:
 - a training step's scoring, estimate and backward with estimator=loo and estimator=rb;
 - the floor of the peer job's 50 steps: what a training step's aten ops alone take (rollout with the
   tokenizer's EOS, scoring, estimate=loo, backward, AdamW; torch's profiler, self time of every aten:: op,
-  nothing of the Python between them), times 50, plus a process that only imports torch, torch._dynamo
+  nothing of the Python between them, less all the wall time the profiler adds to a step) and the job's
+  reward (VADER, on the step's responses), times 50, plus a process that only imports torch, torch._dynamo
   (torch.optim's step imports it) and transformers and loads the model. No implementation of this job that
   draws generate()'s samples with these kernels runs faster; scripts/bench_trl_peer.py gives TRL's time.
 Prints the machine, the threads, the load average, each variant's median and its ratio to the first.
@@ -142,10 +143,13 @@ def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
 
     from klbench.estimators import gradient_estimator
     from klbench.models.embedded import embedded_prompts
+    from klbench.models.rewards import VaderReward
 
     est = gradient_estimator("loo")
     opt = torch.optim.AdamW(policy.trainable(), lr=1e-4, weight_decay=0.0)
     prompts = embedded_prompts("train")[:PROMPTS]
+
+    texts = []
 
     def train_step():
         opt.zero_grad(set_to_none=True)
@@ -153,15 +157,18 @@ def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
         batch = policy.score(ro)
         (est.estimate(batch).values.mean() - batch.masked_logp.sum(-1).mean()).backward()
         opt.step()
+        texts.append(ro.texts)
 
     train_step()  # warm-up, and torch.optim's first step imports torch._dynamo
+    vader = VaderReward()
+    reward_ms = statistics.median(timed(lambda: vader.score_texts(t)) for t in texts) * 1e3  # the job's own reward
     wall_ms = statistics.median(timed(train_step) for _ in range(rounds)) * 1e3
     with profile() as prof:
-        for _ in range(rounds):
-            train_step()
+        profiled_ms = statistics.median(timed(train_step) for _ in range(rounds)) * 1e3
     ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
-    op_ms = sum(e.self_cpu_time_total for e in ops) / rounds / 1e3
     calls = sum(e.count for e in ops) / rounds
+    # the profiler's own cost, all of it counted against the ops: what it adds to a step's wall time
+    op_ms = sum(e.self_cpu_time_total for e in ops) / rounds / 1e3 - max(0.0, profiled_ms - wall_ms)
     code = ("import torch, torch._dynamo, klbench.models\nfrom transformers import AutoModelForCausalLM\n"
             f"AutoModelForCausalLM.from_pretrained({model_dir!r})")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -174,13 +181,15 @@ def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
     print(f"\nthe floor of the peer job's {steps} steps")
     print(f"  a training step, unprofiled (rollout, scoring, loo, backward, AdamW)   {wall_ms:9.1f} ms  "
           f"(median of {rounds})")
-    print(f"  its aten ops alone ({calls:.0f} calls; the profiler's own cost included)  {op_ms:9.1f} ms  "
-          f"(mean of {rounds}, profiled)")
+    print(f"  the same step under torch's profiler                                   {profiled_ms:9.1f} ms  "
+          f"(median of {rounds})")
+    print(f"  its aten ops alone ({calls:.0f} calls), less what the profiler added       {op_ms:9.1f} ms")
     print(f"  a process importing torch, torch._dynamo, transformers; loading the model {load:7.2f} s   "
           f"(median of 3)")
-    total = load + steps * op_ms / 1e3
-    print(f"  floor: {load:.2f} s + {steps} x {op_ms:.1f} ms = {total:.1f} s, with no Python, "
-          "no reward and no validation")
+    print(f"  the job's reward, VADER on a step's {PROMPTS * SAMPLES} responses (Python)        {reward_ms:9.1f} ms")
+    total = load + steps * (op_ms + reward_ms) / 1e3
+    print(f"  floor: {load:.2f} s + {steps} x ({op_ms:.1f} + {reward_ms:.1f}) ms = {total:.1f} s: no Python but the "
+          "reward's, no validation")
     print(f"floor_seconds {total:.3f}")
 
 

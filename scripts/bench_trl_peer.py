@@ -283,7 +283,7 @@ def main() -> None:
     if floors:
         under = [f / t["wall"] for f, (_, t) in zip(floors, rows)]
         print(f"median floor/TRL: {statistics.median(under):.2f} (pairs: {', '.join(f'{r:.2f}' for r in under)}): "
-              "klbench's side with no Python, no reward and no validation (scripts/bench_rollout.py)")
+              "klbench's side with no Python but the reward's and no validation (scripts/bench_rollout.py)")
     print(f"median wall: klbench {statistics.median(k['wall'] for k, _ in rows):.1f} s, "
           f"TRL {statistics.median(t['wall'] for _, t in rows):.1f} s")
     print(f"peak RSS (max over pairs): klbench {max(k['rss'] for k, _ in rows):.0f} MiB, "
