@@ -20,7 +20,8 @@ from klbench.models.policies import LMPolicy
 from klbench.models.rollout import generate_sample, kv_cache_sample
 # tests/ is on sys.path (a rootdir conftest, no __init__.py), as for `from test_config import ...` elsewhere:
 # the CPU test's prompts, batch, stand-in EOS and its model fixtures, reused rather than copied
-from test_rollout import EMBEDDED, PROMPTS, _batch, _frequent_token, embedded_dir, gpt2_dir  # noqa: F401
+from test_rollout import (EMBEDDED, PROMPTS, _batch, _frequent_token, _scored_both_ways,  # noqa: F401
+                          embedded_dir, gpt2_dir)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")]
@@ -85,6 +86,16 @@ def test_same_tokens_as_generate_on_cuda(which, precision, fused, request):
         assert (got.tokens[after] == pad).all()
         assert (got.logp[after] == 0).all()
         assert (got.logp[~after] < 0).all() and got.logp.isfinite().all()
+
+
+@pytest.mark.parametrize("case", ["padded", "unpadded", "ended"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fused_scoring_gives_the_forward_bits_on_cuda(precision, case, gpt2_dir):
+    """klbench/models/gpt2_score.py on CUDA: the forward's logits and gradients, bit for bit, in each precision."""
+    model, _, ctx = _load(gpt2_dir, precision)
+    (a, grads_a), (b, grads_b) = _scored_both_ways(model, case, ctx)
+    assert a.is_cuda and torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
