@@ -10,8 +10,9 @@ module, transformers.loss.loss_utils, once. While that module executes, `scipy.o
 stand-in: every name imported from it is a function that imports the real scipy.optimize at its first call
 and returns what the real function returns. The stand-in leaves sys.modules as soon as loss_utils has run.
 Nothing else changes: a later `import scipy.optimize` is the real module, a scipy.optimize already imported
-is used as it is, and a transformers that names the module otherwise is left alone. tests/test_rollout.py
-checks each.
+is used as it is, and a transformers that names the module otherwise is left alone. tests/test_lazy_scipy.py
+checks each. The one window: a second thread importing scipy.optimize during those milliseconds would get the
+stand-in (klbench loads its models on the main thread, before any other starts).
 """
 from __future__ import annotations
 
