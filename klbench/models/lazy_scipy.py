@@ -12,7 +12,7 @@ and returns what the real function returns. The stand-in leaves sys.modules as s
 Nothing else changes: a later `import scipy.optimize` is the real module, a scipy.optimize already imported
 is used as it is, and a transformers that names the module otherwise is left alone. tests/test_lazy_scipy.py
 checks each. The one window: a second thread importing scipy.optimize during those milliseconds would get the
-stand-in (klbench loads its models on the main thread, before any other starts).
+stand-in (klbench loads its models on the main thread, and none of its threads imports scipy).
 """
 from __future__ import annotations
 
