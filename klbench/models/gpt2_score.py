@@ -3,12 +3,13 @@
     logits = gpt2_logits(model, tokens, attention_mask, position_ids, keep)   # [B, keep, V]
 
 Every training step scores its rollout twice (the policy with grad, the reference without). At the sizes
-klbench trains on CPU, transformers' forward spends a sixth of such a pass outside the kernels: module
-calls, kwargs, and building a [B, 1, T, T] mask through its masking utilities for every layer's call. This
-pass makes the same tensor calls as GPT2LMHeadModel's forward, in the same order and on the same weights
-(what klbench/models/gpt2_decode.py does for one decode step), so the logits and the gradients are the
-same bits (tests/test_rollout.py checks both, float32 and bfloat16, padded or not); it takes 5 to 10% less
-time per step (docs/running.md, "Speed"). Models `gpt2_decode.unsupported` refuses keep transformers' forward.
+klbench trains on CPU, transformers' forward spends a seventh of such a pass outside the kernels: module
+calls, kwargs, and building the [B, 1, T, T] mask through its masking utilities. This pass makes the same
+tensor calls as GPT2LMHeadModel's forward, in the same order and on the same weights (what
+klbench/models/gpt2_decode.py does for one decode step), so the logits and the gradients are the same bits
+(tests/test_rollout.py checks both, float32 and bfloat16, padded or not); a step's scoring, estimate and
+backward take 0.93x to 0.94x the time (docs/embedded.md, "Scoring"). Models that
+`gpt2_decode.unsupported` refuses keep transformers' forward.
 """
 from __future__ import annotations
 
