@@ -11,7 +11,7 @@ from klbench.models.embedded import ensure_embedded_lm
 from klbench.models.hf import load_causal_lm
 from klbench.models.policies import LMPolicy
 from klbench.models.gpt2_decode import gpt2_decoder, unsupported
-from klbench.models.gpt2_score import gpt2_logits
+from klbench.models.gpt2_score import gpt2_logits, sdpa_mask
 from klbench.models.rollout import exp_noise, generate_sample, kv_cache_sample, position_ids_from_mask
 
 # prompts of different lengths: the batch is left-padded
@@ -172,7 +172,7 @@ def _scored_both_ways(model, case: str, ctx=contextlib.nullcontext):
         model.zero_grad(set_to_none=True)
         with ctx():
             if fused:
-                logits = gpt2_logits(model, tokens, attention, pos, 9)
+                logits = gpt2_logits(model, tokens, pos, 9, sdpa_mask(attention))
             else:
                 logits = model(input_ids=tokens, attention_mask=attention, position_ids=pos, logits_to_keep=9).logits
         (logits.float().logsumexp(-1) * attention[:, -9:]).sum().backward()

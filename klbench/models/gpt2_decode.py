@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 
 def unsupported(model) -> str | None:
-    """Why `model` cannot take the fused step (None: it can). Anything but a plain GPT2LMHeadModel running
-    SDPA attention (cross-attention, eager attention, wrapped or replaced layers) keeps transformers' forward."""
+    """Why `model` cannot take the fused decode step or scoring pass (gpt2_score.py) (None: it can). Anything but
+    a plain GPT2LMHeadModel running SDPA attention (cross-attention, eager attention, wrapped or replaced layers)
+    keeps transformers' forward."""
     from transformers import GPT2LMHeadModel
     from transformers.pytorch_utils import Conv1D
 

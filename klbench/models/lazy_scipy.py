@@ -1,6 +1,6 @@
 """Loading a causal LM without importing scipy.optimize for transformers' object-detection losses.
 
-transformers' modeling_utils imports every loss it has (transformers.loss.loss_utils), and six of them, the
+transformers' modeling_utils (5.24.0) imports every loss it has (transformers.loss.loss_utils), and six, the
 DETR-style matchers, do `from scipy.optimize import linear_sum_assignment` at import wherever scipy is
 installed. For a language model that is half a second of every run's start (0.48 s of the peer job's 15 s,
 docs/running.md, "Speed") spent on a function nothing calls.

@@ -20,7 +20,7 @@ from klbench.estimators import KLBatch
 from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
 from klbench.models import gpt2_decode
-from klbench.models.gpt2_score import gpt2_logits
+from klbench.models.gpt2_score import gpt2_logits, sdpa_mask
 from klbench.models.rollout import SAMPLERS, Sampler, attention_backends, position_ids_from_mask
 
 
@@ -130,13 +130,13 @@ class LMPolicy(Policy):
                        [p for p in prompts for _ in range(n)], sample_logp=s.logp)
 
     @staticmethod
-    def _logits(model, ro: Rollout, pos: torch.Tensor) -> torch.Tensor:
+    def _logits(model, ro: Rollout, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """[B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2)."""
         L = ro.mask.shape[1]
         # the LM head projects the last L + 1 positions only, not the prompt's (the same bits where it runs);
         # a model that ignores logits_to_keep returns all positions, and the slice from the end still holds
         if gpt2_decode.unsupported(model) is None:  # a plain GPT-2: the same bits without transformers' layers
-            logits = gpt2_logits(model, ro.tokens, ro.attention, pos, L + 1)
+            logits = gpt2_logits(model, ro.tokens, pos, L + 1, mask)
         else:
             logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos,
                            logits_to_keep=L + 1).logits
@@ -145,10 +145,11 @@ class LMPolicy(Policy):
     def score(self, ro: Rollout) -> KLBatch:
         # left padding: positions count real tokens only, as the sampler did; once for both models
         pos = position_ids_from_mask(ro.attention)  # [B, P + L]
+        mask = sdpa_mask(ro.attention)  # [B, 1, P + L, P + L] or None: for a plain GPT-2 (gpt2_score.py)
         with attention_backends(pos.device):  # a new [B, P + L] every step: no cuDNN planning on CUDA
-            logits = self._logits(self.model, ro, pos)  # [B, L, V], differentiable
+            logits = self._logits(self.model, ro, pos, mask)  # [B, L, V], differentiable
             with torch.no_grad():
-                ref_logits = self._logits(self.ref, ro, pos)  # [B, L, V]
+                ref_logits = self._logits(self.ref, ro, pos, mask)  # [B, L, V]
         resp = ro.tokens[:, ro.prompt_len:].unsqueeze(-1)  # [B, L, 1]
         logp = _token_logprob(logits, resp)
         ref_logp = _token_logprob(ref_logits, resp)
