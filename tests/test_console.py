@@ -7,6 +7,8 @@ The sweep's end (labelled Pareto trials, pareto.png/csv in its folder) is checke
 """
 from __future__ import annotations
 
+import io
+import logging
 import re
 import subprocess
 import sys
@@ -284,3 +286,32 @@ def test_pareto_names_the_store_it_searched(tmp_path, monkeypatch, capsys):
     assert pareto.main(["--parent", "0123456789abcdef0123456789abcdef"]) == 1
     err = capsys.readouterr().err
     assert "not found" in err and f"searched sqlite:///{tmp_path}/mlflow.db, from $KLBENCH_OUTPUTS" in err, err
+
+
+def test_klbench_log_on_a_full_disk_stops_with_one_line(tmp_path, monkeypatch):
+    """klbench.log whose disk is full (here /dev/full: every write fails with ENOSPC): prints and log records
+    still reach the console, one line says the file stopped, and no print raises nor logging's traceback
+    appears (issue 18: the disk filling during a run ends in klbench's one line)."""
+    from klbench.console import logfile
+    log = tmp_path / logfile.LOG_NAME
+    log.symlink_to("/dev/full")
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    root = logging.getLogger()
+    handlers = [logging.StreamHandler(out), logging.FileHandler(log)]
+    monkeypatch.setattr(root, "handlers", handlers)
+    monkeypatch.setattr(root, "level", logging.INFO)
+    assert logfile.copy_console()
+    try:
+        print("before the record")
+        logging.getLogger("klbench.test").warning("a record")
+        print("after the record")
+        print("to stderr", file=sys.stderr)
+    finally:
+        logfile.stop_copy()
+    assert out.getvalue().splitlines() == ["before the record", "a record", "after the record"]
+    lines = err.getvalue().splitlines()
+    assert lines == [f"klbench: warning: {log} is no longer written (No space left on device); "
+                     "the console still shows everything", "to stderr"], lines
+    assert handlers[1].level > logging.CRITICAL and handlers[1].stream is None

@@ -80,3 +80,25 @@ def test_disk_fills_during_a_run(small_disk):
     assert client.get_run(run_id).info.status == ("FAILED" if marked else "RUNNING")
     klbench(outputs, "experiment=tabular", "task.max_steps=10", f"hydra.run.dir={small_disk / 'next'}")
     assert client.get_run(run_id).info.status == ("FAILED" if marked else "KILLED")
+
+
+def test_a_store_write_on_a_full_disk_raises_without_mlflow_traceback(small_disk, tmp_path, capfd):
+    """MLflow logs each failed SQLite write with its traceback before raising it; klbench says the raised
+    error once (above, in one line), so that log record is dropped once klbench opens the store."""
+    import mlflow
+    from mlflow.entities import Metric
+    from mlflow.exceptions import MlflowException
+
+    from klbench.record import store
+    uri = store.tracking_uri(small_disk / "outputs")
+    exp = store.ensure_experiment(uri, "full", None, template_dir=tmp_path / "cache")
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(exp).info.run_id
+    capfd.readouterr()
+    fill(small_disk, 0)
+    with pytest.raises(MlflowException) as raised:
+        for step in range(100):  # far more pages than the file has spare
+            client.log_batch(run_id, metrics=[Metric(f"m{i}", 1.0, 0, step) for i in range(1000)])
+    assert store.disk_full(raised.value)
+    err = capfd.readouterr().err
+    assert "SQLAlchemy database error" not in err and "Traceback" not in err, err[-3000:]

@@ -58,9 +58,11 @@ class _Copy:
                        for line in (_ANSI.sub("", raw.rsplit("\r", 1)[-1]) for raw in lines))
         self.handler.acquire()
         try:
-            if self.handler.stream is not None:  # closed at interpreter exit
+            if self.handler.stream is not None:  # closed at interpreter exit, or by _lost
                 self.handler.stream.write(text)
                 self.handler.stream.flush()
+        except OSError as e:  # raised from a print, it would replace whatever the print was saying
+            _lost(self.handler, e)
         finally:
             self.handler.release()
 
@@ -75,12 +77,38 @@ class _Copy:
         return getattr(self.stream, name)
 
 
+def _lost(handler: logging.FileHandler, e: OSError) -> None:
+    """klbench.log cannot be written (its disk is full): it stops, saying so once on the console, which
+    still shows everything. Left alone, each later log record would print logging's own traceback."""
+    if handler.level > logging.CRITICAL:  # already stopped
+        return
+    handler.setLevel(logging.CRITICAL + 1)  # not removed: logging may be going through the handlers now
+    try:
+        handler.close()  # flushes what it holds, which may fail the same way; the file is closed either way
+    except OSError:
+        pass
+    print(f"klbench: warning: {handler.baseFilename} is no longer written ({e.strerror or e}); "
+          "the console still shows everything", file=sys.stderr)
+
+
+def _on_file_error(handler: logging.FileHandler, default):
+    """A FileHandler's handleError: an OSError stops the file (_lost); anything else is logging's own."""
+    def handle_error(record: logging.LogRecord) -> None:
+        e = sys.exc_info()[1]
+        if isinstance(e, OSError):
+            _lost(handler, e)
+        else:
+            default(record)
+    return handle_error
+
+
 def copy_console() -> bool:
     """From now on, what this process prints is also in the run folder's klbench.log; False (nothing done)
     outside a Hydra job, and when already copying. Idempotent; `stop_copy` undoes it."""
     handler = log_handler()
     if handler is None or isinstance(sys.stdout, _Copy):
         return False
+    handler.handleError = _on_file_error(handler, handler.handleError)
     sys.stdout = _Copy(sys.stdout, handler, "stdout")
     sys.stderr = _Copy(sys.stderr, handler, "stderr")
     return True

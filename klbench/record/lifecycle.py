@@ -128,9 +128,6 @@ def _end_quietly(logger: RecordLogger, status: str, why: str, commit: bool, retr
     old = os.environ.get(RETRIES_ENV)
     if retries is not None:
         os.environ[RETRIES_ENV] = str(retries)
-    # MLflow logs each failed database write with its traceback; the caller says it in one line instead
-    mlflow_db_log = logging.getLogger("mlflow.store.db.utils")
-    mlflow_db_log.disabled = not say
     try:
         if commit:
             logger.commit()
@@ -142,7 +139,6 @@ def _end_quietly(logger: RecordLogger, status: str, why: str, commit: bool, retr
                                               str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
         return False
     finally:
-        mlflow_db_log.disabled = False
         if retries is not None and old is None:
             del os.environ[RETRIES_ENV]
         elif retries is not None:

@@ -17,6 +17,7 @@ No torch, Lightning or Hydra here; MLflow loads only when a store has to be crea
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import sqlite3
@@ -60,6 +61,7 @@ def open_store(uri: str, create: bool = True, template_dir: str | os.PathLike | 
     path = sqlite_path(uri)
     if path is None or uri in _checked:
         return
+    logging.getLogger("mlflow.store.db.utils").addFilter(_raised_anyway)
     from filelock import FileLock, Timeout
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +215,12 @@ def _template(folder: Path) -> Path:
             finally:
                 tmp.unlink(missing_ok=True)
     return template
+
+
+def _raised_anyway(record: logging.LogRecord) -> bool:
+    """MLflow logs each failed SQLite write with its traceback and then raises it: klbench's caller says
+    it once, in one line (a full disk) or with the traceback of the exception it re-raises."""
+    return not str(record.msg).startswith("SQLAlchemy database error")
 
 
 def disk_full(e: BaseException | None) -> bool:
