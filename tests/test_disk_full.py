@@ -5,6 +5,7 @@ The disk is a small tmpfs mounted for the test (root only; skipped, saying why, 
 """
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -32,11 +33,19 @@ def small_disk(tmp_path):
 
 
 def fill(disk: Path, leave_kib: int) -> Path:
-    """Takes all but about `leave_kib` KiB of the disk."""
+    """Takes all but about `leave_kib` KiB of the disk. A run writing there meanwhile can take the last
+    bytes first (the free space was read before): the disk is then full all the same."""
     filler = disk / "filler"
     free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, free - leave_kib * 1024))
+    data = memoryview(b"\0" * max(0, free - leave_kib * 1024))
+    with open(filler, "wb", buffering=0) as f:
+        while data:
+            try:
+                data = data[f.write(data):]
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                break
     return filler
 
 
