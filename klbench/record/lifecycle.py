@@ -12,7 +12,6 @@ MLflow record (training and the probe).
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
@@ -100,15 +99,15 @@ class RecordUnavailable(RuntimeError):
 def store_failure(e: BaseException, tracking_uri: str) -> str | None:
     """What made the record unwritable, in words; None when `e` is another failure. Looks down the chain
     of causes: MLflow wraps the connection error, SQLAlchemy the SQLite one."""
+    if (full := store.disk_full(e)) is not None:
+        if isinstance(full, OSError):  # a checkpoint, an artifact
+            where = full.filename2 or full.filename or "the run folder"
+        else:  # SQLite's
+            where = store.sqlite_path(tracking_uri) or "the store"
+        return f"the disk is full (writing {where}; {_free(where)})"
     seen: BaseException | None = e
     while seen is not None:
         text = str(seen)
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:  # a checkpoint, an artifact
-            where = seen.filename2 or seen.filename or "the run folder"
-            return f"the disk is full (writing {where}; {_free(where)})"
-        if "database or disk is full" in text:  # SQLite, wrapped by SQLAlchemy and MLflow
-            where = store.sqlite_path(tracking_uri) or "the store"
-            return f"the disk is full (writing {where}; {_free(where)})"
         if "API request to" in text and ("Max retries exceeded" in text or "onnection" in text):
             return f"the MLflow server {redact(tracking_uri)} does not answer"
         seen = seen.__cause__ or seen.__context__

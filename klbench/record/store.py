@@ -59,9 +59,9 @@ def open_store(uri: str, create: bool = True, template_dir: str | os.PathLike | 
     Server stores (http://, postgresql://) are the server's business and pass through unchecked.
     """
     path = sqlite_path(uri)
+    logging.getLogger("mlflow.store.db.utils").addFilter(_raised_anyway)  # any database store, once
     if path is None or uri in _checked:
         return
-    logging.getLogger("mlflow.store.db.utils").addFilter(_raised_anyway)
     from filelock import FileLock, Timeout
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,13 +223,14 @@ def _raised_anyway(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("SQLAlchemy database error")
 
 
-def disk_full(e: BaseException | None) -> bool:
-    """Whether a full disk is somewhere in `e`'s chain of causes (SQLAlchemy and MLflow wrap it)."""
+def disk_full(e: BaseException | None) -> BaseException | None:
+    """The link of `e`'s chain of causes that says the disk is full (an OSError, or SQLite's error as
+    SQLAlchemy and MLflow wrap it), None where none does."""
     while e is not None:
         if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "database or disk is full" in str(e):
-            return True
+            return e
         e = e.__cause__ or e.__context__
-    return False
+    return None
 
 
 def repair(path: Path) -> str:
