@@ -1,0 +1,167 @@
+"""How rollouts sample, and which KL a run regularises and measures (task.temperature, top_k, top_p, kl_target).
+
+    Sampling(temperature=0.7, top_p=0.9).process(logits)   # [..., V] the logits the sampler draws from
+    target_pair(logits, ref_logits, sampling, "sampler")    # ([..., V], [..., V]) the two distributions compared
+    target_batch(logits, ref_logits, tokens, mask, sampling, target, ...) -> KLBatch
+
+The sampler pi_s draws from pi's logits divided by the temperature T, then cut to the top-k tokens, then to the
+smallest set holding top-p of the mass: transformers' warpers, in generate()'s order, with their arithmetic
+(`process`), so that klbench's rollouts and generate(do_sample=True, temperature, top_k, top_p) draw the same
+tokens. pi_s is not pi. Every estimator is a statement about y ~ pi for a pair (pi, pi_ref); which pair a run
+compares is its KL target, named explicitly:
+
+  sampler          KL(pi_s || pi_ref,s): both scored as sampled. pi_s as above; pi_ref,s is pi_ref at the same
+                   temperature restricted to the tokens pi_s keeps (renormalised there), so that the KL is
+                   finite under truncation. y ~ pi_s exactly: every estimator keeps its T = 1 claims with
+                   (pi_s, pi_ref,s) in place of (pi, pi_ref). The truncation set is held fixed in the gradient
+                   (it is piecewise constant in the logits).
+  model            KL(pi || pi_ref) of the untempered models; y ~ pi_s is a behaviour policy, so the batch
+                   carries old_logp = log pi_s(y) and only the off-policy estimators (KLBatch.old_logp) serve.
+                   Exact for a temperature alone (pi_s covers pi). Under truncation pi_s does not cover pi and
+                   no importance weight can fix that: refused (check_target).
+  tempered         KL(pi_T || pi_ref,T), both divided by T over the full vocabulary: how TRL and verl score.
+                   Equal to `sampler` without truncation; with truncation the samples come from pi_s != pi_T
+                   and every estimator is biased (the bias is measured exactly on tabular, docs/sampling.md).
+  tempered_vs_raw  KL(pi_T || pi_ref): the policy scored at T against the untempered reference
+                   (tinker-cookbook #689). A KL, but of pi_T and pi_ref, whose optimum is not pi_ref's tempered
+                   neighbour; under truncation biased as `tempered`.
+
+At T = 1 without truncation the four targets are one pair and `target_batch` passes the logits through
+untouched (no copy), so plain runs score exactly as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from klbench.estimators.batch import KLBatch
+
+KL_TARGETS = {
+    "sampler": "KL(pi_s || pi_ref,s): policy and reference scored as sampled (temperature and truncation)",
+    "model": "KL(pi || pi_ref) of the untempered models, pi_s a behaviour policy (importance weights)",
+    "tempered": "KL(pi_T || pi_ref,T): both divided by the temperature, full vocabulary (TRL, verl)",
+    "tempered_vs_raw": "KL(pi_T || pi_ref): the tempered policy against the raw reference (tinker-cookbook #689)",
+}
+
+
+def excluded(dtype: torch.dtype) -> float:
+    """The logit a scored distribution gives the tokens the sampler cut. Finite, unlike the sampler's -inf: its
+    exp is exactly 0, and the exact per-position KL's p * (log p - log q) stays 0 there instead of 0 * nan."""
+    return torch.finfo(dtype).min
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature > 0; top_k: 0 keeps every token; top_p in (0, 1], 1 keeps every token."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t == float("inf"):
+            raise ValueError(f"task.temperature must be a finite number > 0, got {t!r} (temperature 0, greedy "
+                             "decoding, is a point mass: no KL estimator is defined on it)")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"task.top_k must be an integer >= 0 (0: no top-k cut), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"task.top_p must be in (0, 1] (1: no top-p cut), got {p!r}")
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1
+
+    @property
+    def is_plain(self) -> bool:
+        """Temperature 1, nothing cut: pi_s = pi."""
+        return self.temperature == 1 and not self.truncates
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] float32 (float64 stays) logits of pi_s, -inf on cut tokens: transformers' Temperature,
+        TopK and TopP warpers in generate()'s order, with their arithmetic (min_tokens_to_keep = 1)."""
+        scores = logits.float() if logits.dtype != torch.float64 else logits
+        if self.temperature != 1:
+            scores = scores / self.temperature
+        if self.top_k:
+            kth = torch.topk(scores, min(self.top_k, scores.shape[-1]))[0][..., -1:]  # [..., 1]
+            scores = scores.masked_fill(scores < kth, -float("inf"))
+        if self.top_p < 1:
+            sorted_scores, order = torch.sort(scores, descending=False)  # [..., V]
+            cut = sorted_scores.softmax(-1).cumsum(-1) <= (1 - self.top_p)  # [..., V] the low tail
+            cut[..., -1:] = False  # the most likely token is always kept
+            scores = scores.masked_fill(cut.scatter(-1, order, cut), -float("inf"))
+        return scores
+
+    def keep(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] bool: the tokens pi_s can draw (all True without truncation)."""
+        return torch.isfinite(self.process(logits.detach()))
+
+    def describe(self) -> str:
+        parts = [f"temperature={self.temperature:g}"]
+        parts += [f"top_k={self.top_k}"] if self.top_k else []
+        parts += [f"top_p={self.top_p:g}"] if self.top_p < 1 else []
+        return ", ".join(parts)
+
+
+def check_target(sampling: Sampling, target: str) -> str | None:
+    """ValueError for a target that cannot be estimated at all under this sampling; else the one-line bias
+    warning of a target whose every estimator is biased here (None when it is exact)."""
+    if target not in KL_TARGETS:
+        raise ValueError(f"task.kl_target={target!r} is unknown; valid: {', '.join(KL_TARGETS)}")
+    if target == "model" and sampling.truncates:
+        raise ValueError(f"task.kl_target=model with {sampling.describe()}: the truncated sampler never draws "
+                         "the tokens it cuts, so no importance weight recovers KL(pi || pi_ref); use "
+                         "task.kl_target=sampler, or sample without truncation (task.top_k=0 task.top_p=1)")
+    if target in ("tempered", "tempered_vs_raw") and sampling.truncates:
+        return (f"task.kl_target={target} with {sampling.describe()}: the samples come from the truncated "
+                f"sampler, not from the tempered policy this target scores, so every estimator is biased "
+                f"(as in TRL/verl with a truncating vLLM sampler; docs/sampling.md measures it)")
+    return None
+
+
+def target_pair(logits: torch.Tensor, ref_logits: torch.Tensor, sampling: Sampling,
+                target: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the two distributions the target's KL compares, [..., V] each (the input tensors themselves
+    at plain sampling). Differentiable in `logits`; cut tokens get `excluded(dtype)`."""
+    if sampling.is_plain or target == "model":
+        return logits, ref_logits
+    t = sampling.temperature
+    up = (lambda x: x.float()) if logits.dtype != torch.float64 else (lambda x: x)
+    pol, ref = up(logits) / t, up(ref_logits)
+    if target == "tempered_vs_raw":
+        return pol, ref
+    ref = ref / t
+    if target == "sampler" and sampling.truncates:
+        cut = ~sampling.keep(logits)  # [..., V] held fixed: the set is piecewise constant in the logits
+        low = excluded(pol.dtype)
+        pol, ref = pol.masked_fill(cut, low), ref.masked_fill(cut, low)
+    return pol, ref
+
+
+def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T] log softmax(logits)[tokens] in float32 (float64 stays), without keeping a [B, T, V] log_softmax
+    for backward. tokens: [B, T]."""
+    x = logits.float() if logits.dtype != torch.float64 else logits
+    return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, -1)
+
+
+def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
+                 sampling: Sampling, target: str, group: torch.Tensor | None = None,
+                 behaviour_logp: torch.Tensor | None = None, chunk_rows: int | None = None) -> KLBatch:
+    """The KLBatch of `target` for responses `tokens` [B, T] drawn by `sampling` from `logits` [B, T, V].
+
+    target=model (sampling not plain): old_logp = log pi_s(y), from `behaviour_logp` [B, T] when the sampler
+    kept its own log-probs (then the off-policy estimators also correct for any gap between the sampler's and
+    the scorer's arithmetic), else from these logits.
+    """
+    check_target(sampling, target)
+    pol, ref = target_pair(logits, ref_logits, sampling, target)
+    logp, ref_logp = token_logprob(pol, tokens), token_logprob(ref, tokens)
+    old = None
+    if target == "model" and not sampling.is_plain:
+        old = behaviour_logp if behaviour_logp is not None else \
+            token_logprob(sampling.process(logits.detach()), tokens)
+        old = torch.where(mask, old.to(logp.dtype), logp.detach())  # padding: any finite value that says on-policy
+    return KLBatch(logp, ref_logp, mask, pol, ref, group=group, chunk_rows=chunk_rows, old_logp=old)
