@@ -8,17 +8,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
+from klbench.config.choices import refuse_unknown_options
 from klbench.config.resolvers import ROOT, register
 
 
 def compose(overrides=(), outputs: str | Path | None = None, run_dir: str | Path | None = None,
             hydra: bool = False) -> DictConfig:
-    """conf/config.yaml with `overrides` (strings as on the command line), as `klbench` composes it.
+    """conf/config.yaml with `overrides` (strings as on the command line), as `klbench` composes it; an
+    option that is no config of its group raises ConfigError, as `klbench` refuses it (config/choices.py).
 
     outputs: a folder in place of paths.outputs ($KLBENCH_OUTPUTS or ./outputs), so that the MLflow
         and Optuna stores and the artifacts that follow it land there (unless $MLFLOW_TRACKING_URI is
@@ -30,7 +33,14 @@ def compose(overrides=(), outputs: str | Path | None = None, run_dir: str | Path
     """
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), job_name="klbench"):
-        cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
+        # hydra.compose() as a run composes: the repository it read stays active for the check below
+        cfg = GlobalHydra.instance().hydra.compose_config(
+            "config", overrides=list(overrides), run_mode=RunMode.RUN, from_shell=False,
+            activate_config_repository=True)
+        refuse_unknown_options(overrides, "config")  # as the CLI's callback does before a run starts
+    if not hydra:
+        with open_dict(cfg):
+            del cfg["hydra"]
     if run_dir is None and outputs is not None:
         run_dir = Path(outputs) / "run"
     with open_dict(cfg):
