@@ -1,6 +1,7 @@
 """A config-group option that does not exist is refused before a run or a sweep starts.
 
     refuse_unknown_options(overrides, config_name)   # raises ConfigError: experiment=tabualr is unknown; valid: ...
+    named_options(overrides, sweeper_params)         # what a command names: its overrides, a sweep's params
     RefuseUnknownOptions(...)                        # the Hydra callback that calls it (conf/hydra/callbacks/)
 
 Hydra refuses an unknown option of a group its defaults list requires (`estimator=rbb`), but skips an
@@ -47,6 +48,13 @@ def refuse_unknown_options(overrides: Sequence[str], config_name: str = "config"
                 raise ConfigError(f"{o.get_key_element()}={name} is unknown; valid: {', '.join(sorted(valid))}")
 
 
+def named_options(overrides: DictConfig, sweeper_params: DictConfig | None) -> list[str]:
+    """What a command names, from its composed config: the command line's overrides (`hydra.overrides`, its
+    `hydra` and `task` lists) and a sweep's `hydra.sweeper.params`, which each trial applies
+    (`estimator: choice(seq, rb)` becomes `estimator=choice(seq, rb)`)."""
+    return [*overrides.hydra, *overrides.task, *(f"{k}={v}" for k, v in (sweeper_params or {}).items())]
+
+
 class RefuseUnknownOptions(Callback):
     """Hydra callback (conf/hydra/callbacks/klbench.yaml) that makes the check above when Hydra creates it,
     which is before any hook: before the run folder (run_job) and before a sweep callback opens a study, an
@@ -57,9 +65,7 @@ class RefuseUnknownOptions(Callback):
     exception: one line, exit 1, and no traceback. Holds nothing (submitit pickles it into every job)."""
 
     def __init__(self, overrides: DictConfig, sweeper_params: DictConfig | None, config_name: str) -> None:
-        # the command line's overrides and a sweep's params, which each trial applies
-        given = [*overrides.hydra, *overrides.task, *(f"{k}={v}" for k, v in (sweeper_params or {}).items())]
         try:
-            refuse_unknown_options(given, config_name)
+            refuse_unknown_options(named_options(overrides, sweeper_params), config_name)
         except ConfigError as e:
             raise SystemExit(f"klbench: error: {e}") from None
