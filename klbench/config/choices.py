@@ -9,9 +9,9 @@ Hydra refuses an unknown option of a group its defaults list requires (`estimato
 conf/config.yaml, `klbench experiment=tabualr` trained the default job and `klbench -m sweep=rl_betaa` ran
 one job through Hydra's basic sweeper. So every option someone names, on the command line or in a sweep's
 `hydra.sweeper.params`, each value of a sweep over a group included, must be a config of its group.
-Defaults the config files choose by interpolation stay optional: a preset's values for a task
-(`optional /experiment/task/tabular@task: ${task}`) exist for some tasks only, and every task runs on
-every preset.
+Only what a command names is checked; what the config files choose stays as Hydra treats it, so a
+preset's values for a task (`optional /experiment/task/tabular@task: ${task}`) stay optional: they exist
+for some tasks only, and every task runs on every preset.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def refuse_unknown_options(overrides: Sequence[str], config_name: str = "config"
     with the group's valid options. Called right after Hydra composed `config_name` with these overrides
     and kept the repository it read active (Hydra's run and multirun do; klbench.config.compose does): the
     options are read from it as Hydra read them (hydra.searchpath, where the sweep group lives, and the
-    plugins' configs, hydra/launcher=basic), at no extra cost."""
+    plugins' configs, hydra/launcher=basic), without reading the config files again."""
     loader = GlobalHydra.instance().config_loader()
     for o in loader.parse_overrides(config_name, list(overrides)):
         if "." in o.key_or_group or o.is_delete():
-            continue  # a value (estimator.beta=0.1, hydra.run.dir=...): a group's name has no '.'; ~group drops it
+            continue  # a value (estimator.beta=0.1, hydra.run.dir=...): no group's name has a '.'; ~group drops one
         if o.value_type == ValueType.GLOB_CHOICE_SWEEP or (o.is_sweep_override() and not o.is_discrete_sweep()):
             continue  # glob(...) picks among the existing options only; an interval names none
         valid = loader.get_group_options(o.key_or_group)
