@@ -181,11 +181,20 @@ class EmbeddedSpec(Options):
 DType = Literal[DTYPES]
 
 
+class Lora(Options):
+    """model.lora (klbench/models/lora.py); r null: no LoRA."""
+    r: Optional[PosInt] = None
+    alpha: float = Field(16, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: Optional[list[Str]] = None
+
+
 class ModelEmbedded(Options):
     kind: Literal["embedded"]
     preset: Literal["reference", "teacher", "student"]
     spec: EmbeddedSpec
     dtype: DType
+    lora: Lora = Lora()
 
 
 class ModelHF(Options):
@@ -193,6 +202,7 @@ class ModelHF(Options):
     name_or_path: Str
     ref_name_or_path: Str
     dtype: DType
+    lora: Lora = Lora()
 
 
 class ModelTabular(Options):
@@ -431,6 +441,9 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
             raise ConfigError(f"task.reward_coef={t.reward_coef} needs a reward, but reward=none")
     elif teacher is not None:
         raise ConfigError(f"a teacher (model@teacher) only applies to task=distill (and task=probe), not task={task}")
+    if teacher is not None and OmegaConf.select(cfg, "teacher.lora.r") is not None:
+        raise ConfigError(f"teacher.lora.r={cfg.teacher.lora.r}: the teacher is the frozen pi_ref and does not "
+                          "train; LoRA is the student's option (model.lora.r)")
     _check_tabular_pair(cfg, teacher)
     n = t.n_samples
     _check_placement(t, e, OmegaConf.select(cfg, "kl_ctl.name"))

@@ -75,10 +75,14 @@ class PromptData(pl.LightningDataModule):
         self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:
-        # its own generator: shuffling must not draw from the global RNG that sampling uses
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=list,
-                          generator=gen)
+        # a resumed run starts where the checkpoint's step left its epoch (trainer.global_step is restored
+        # before the dataloaders are built), so that it draws the prompts the uninterrupted run drew
+        step = self.trainer.global_step if self.trainer is not None else 0
+        sampler = EpochShuffle(len(self.train), self.batch_size, self.seed, step)
+        # a generator of its own for the iterator's base seed too, which would otherwise come from the global RNG
+        # that sampling uses (and a resumed run creates its iterator at another point of that stream)
+        return DataLoader(self.train, batch_size=self.batch_size, sampler=sampler, drop_last=True, collate_fn=list,
+                          generator=torch.Generator().manual_seed(self.seed))
 
     def val_dataloader(self) -> DataLoader:
         # its own generator too: every DataLoader iterator draws a base seed, from the global RNG unless
@@ -86,3 +90,33 @@ class PromptData(pl.LightningDataModule):
         # would train differently)
         gen = torch.Generator().manual_seed(self.seed)
         return DataLoader(self.val, batch_size=max(1, min(len(self.val), 16)), collate_fn=list, generator=gen)
+
+
+class EpochShuffle(torch.utils.data.Sampler):
+    """The order DataLoader(shuffle=True, generator=manual_seed(seed)) gives (the same prompts in the same steps as
+    before this sampler existed), but computed from (seed, epoch) alone (its own generator: shuffling never draws from the
+    global RNG that sampling uses). From `start_step` on: the first epoch it serves skips the batches that
+    step had already taken, so a resume mid-epoch continues the uninterrupted run's prompts exactly.
+    Lightning calls set_epoch with the (restored) epoch before each pass."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, start_step: int = 0):
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        per_epoch = n // batch_size  # drop_last: full batches only
+        self.epoch, self.skip_epoch, self.skip = 0, start_step // per_epoch, (start_step % per_epoch) * batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.epoch + 1):
+            # what one epoch of DataLoader(shuffle=True, generator=gen) drew under Lightning: the iterator's base
+            # seed, then the RandomSampler's permutation (Lightning stops at len(), before its empty tail draw)
+            torch.empty((), dtype=torch.int64).random_(generator=gen)
+            order = torch.randperm(self.n, generator=gen).tolist()
+        if self.epoch == self.skip_epoch and self.skip:
+            order, self.skip = order[self.skip:], 0  # once: the resumed epoch's batches already taken
+        return iter(order)

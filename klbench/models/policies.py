@@ -278,7 +278,14 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
     model, tok = models.load_causal_lm(path, cfg.dtype)
-    ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype)
+    ref = ref_tok = None
+    if (cfg.get("lora") or {}).get("r"):
+        from klbench.models.lora import WithoutAdapter, add_lora
+        model = add_lora(model, **cfg.lora)
+        if teacher is None and ref_path == path:  # pi_ref is the policy's own base, adapter off: one copy
+            ref, ref_tok = WithoutAdapter(model), tok
+    if ref is None:
+        ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype)
     models.check_same_vocab(tok, ref_tok, *names)
     for name, where, m in ((names[0], path, model), (names[1], ref_path, ref)):
         context = models.context_length(m.config)

@@ -135,7 +135,9 @@ def load_policy_weights(policy, path: str, cfg: DictConfig) -> int:
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
     missing, unexpected = policy.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("ref.")]  # the frozen reference is not checkpointed
+    # neither the frozen reference nor frozen policy weights (a LoRA base) are checkpointed
+    frozen = {name for name, p in policy.named_parameters() if not p.requires_grad}
+    missing = [k for k in missing if not k.startswith("ref.") and k not in frozen]
     if missing or unexpected:
         raise ResumeError(f"{path}: the policy's weights do not fit this model (missing {missing[:5]}, "
                           f"unexpected {unexpected[:5]})")

@@ -203,8 +203,10 @@ class RLTask(pl.LightningModule):
     # ---- checkpoints: RNG state travels with the step and the optimizer ----
 
     def state_dict(self, *args, **kwargs):
+        # neither the frozen reference nor frozen policy weights (a LoRA base): the config's model folder has them
         sd = super().state_dict(*args, **kwargs)
-        return {k: v for k, v in sd.items() if not k.startswith("policy.ref.")}
+        frozen = {name for name, p in self.named_parameters() if not p.requires_grad}
+        return {k: v for k, v in sd.items() if not k.startswith("policy.ref.") and k not in frozen}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
