@@ -37,7 +37,7 @@ def _exact(policy: TabularPolicy, sizes: list[int]) -> dict:
     for lab, (name, opts) in value_variants().items():
         est = value_estimator(name, **opts)
         if lab in BATCH_FITTED:  # fitted on each M-tuple: enumerate the M=2 tuples one by one
-            idx, w = model._tuples(theta, 2)
+            idx, w = model._tuples(model.sample_probs(theta), 2)
             vals = torch.stack([est(model.batch(theta, row)).double().mean() for row in idx])
             mean = float((w * vals).sum())
             out[("value", lab, 2)] = {"bias": mean - kl, "std": float((w * (vals - mean) ** 2).sum()) ** 0.5}
