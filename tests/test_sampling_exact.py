@@ -173,9 +173,17 @@ def test_model_target_on_policy_estimators_refuse(sampling):
     for name in ON_POLICY_ONLY:
         with pytest.raises(ValueError, match="assumes y ~ pi"):
             model.gradient_moments(gradient_estimator(name), theta, n=2, sampling=sampling, target="model")
-    for name in ("mc", "k2", "cv", "cv_opt", "rb"):  # every value estimator assumes y ~ pi
+    for name in ("mc", "k2", "cv", "cv_opt"):  # every value estimator but rb assumes y ~ pi
         with pytest.raises(ValueError, match="assumes y ~ pi"):
             model.value_moments(value_estimator(name), theta, n=2, sampling=sampling, target="model")
+
+
+@pytest.mark.parametrize("sampling", TEMPERATURES, ids=[s.describe() for s in TEMPERATURES])
+def test_model_target_rb_value_is_unbiased(instance, sampling):
+    # rb weights each position's exact KL by its prefix's importance ratio: what val/seq_kl reads at target=model
+    model, theta = instance
+    mean = model.value_moments(value_estimator("rb"), theta, sampling=sampling, target="model").mean
+    assert abs(float(mean - model.kl_pi_ref(theta))) <= TOL
 
 
 @pytest.mark.parametrize("sampling", TRUNCATIONS, ids=[s.describe() for s in TRUNCATIONS])

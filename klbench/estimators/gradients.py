@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimate, Estimator, control_variate, register,
-                                     reward_to_go, seq_sum)
+from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimate, Estimator, control_variate, prefix_weights,
+                                     register, reward_to_go, seq_sum)
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.baselines import leave_one_out_mean
 from klbench.estimators.options import ControlVariateOptions
@@ -127,8 +127,7 @@ class RB(Estimator):
         L = sum_t sg(W_<t) kappa_t + sum_t sg(sum_{s>t} W_<s kappa_s) l_t, W_<t = prod_{s<t} pi/pi_old.
         At old_logp == logp every weight is exactly 1 and L equals the on-policy surrogate.
         """
-        log_w = batch.log_w.detach()  # [B, T], zero off the mask
-        w_prefix = torch.exp(log_w.cumsum(-1) - log_w)  # [B, T]: W_<t, the ratio of y_<t
+        w_prefix = prefix_weights(batch)  # [B, T]: W_<t, the ratio of y_<t
         wk = w_prefix * kappa.detach()  # [B, T]
         future = reward_to_go(wk) - wk  # [B, T]: sum_{s>t} W_<s kappa_s
         return seq_sum(w_prefix * kappa) + seq_sum(future * batch.masked_logp)
