@@ -52,6 +52,20 @@ def tinker_cost(t: float) -> tuple[float, float]:
     return sum(at_ref) / len(at_ref), sum(drift) / len(drift)
 
 
+def model_target_cost(t: float) -> tuple[float, float]:
+    """target=model at temperature t: tr Cov of rb's gradient and the variance of rb's value (both importance-
+    weighted by the prefixes' ratios pi / pi_T), as ratios to their on-policy values at T = 1; means over
+    instances."""
+    s, grad, val = Sampling(temperature=t), [], []
+    for model, theta in default_instances():
+        est_g, est_v = gradient_estimator("rb"), value_estimator("rb")
+        grad.append(model.gradient_moments(est_g, theta, sampling=s, target="model").trace
+                    / model.gradient_moments(est_g, theta).trace)
+        val.append(model.value_moments(est_v, theta, sampling=s, target="model").trace
+                   / model.value_moments(est_v, theta).trace)
+    return sum(grad) / len(grad), sum(val) / len(val)
+
+
 def tables() -> None:
     print(f"relative bias, mean over the 3 default instances, truncation {TRUNCATION}:")
     for target in ("sampler", "tempered", "tempered_vs_raw"):
@@ -64,6 +78,10 @@ def tables() -> None:
     for t in TABLE_TEMPERATURES:
         a, b = tinker_cost(t)
         print(f"| {t:g} | {a:.4f} | {b:.4f} |")
+    print("\ntarget=model, rb with prefix importance weights: | T | tr Cov(grad) / on-policy | Var(value) / on-policy |")
+    for t in TABLE_TEMPERATURES:
+        a, b = model_target_cost(t)
+        print(f"| {t:g} | {a:.3f} | {b:.3f} |")
 
 
 def plot(path: str) -> None:
