@@ -81,13 +81,11 @@ class TabularModel:
 
     def kl_pi_ref(self, theta: torch.Tensor) -> torch.Tensor:
         """KL(pi || pi_ref) over whole sequences."""
-        lp, lr = self.seq_logprob(theta), self.seq_logprob(self.ref_logits)
-        return (lp.exp() * (lp - lr)).sum()
+        return self.pair_kl(theta, self.ref_logits)
 
     def kl_ref_pi(self, theta: torch.Tensor) -> torch.Tensor:
         """KL(pi_ref || pi) over whole sequences."""
-        lp, lr = self.seq_logprob(theta), self.seq_logprob(self.ref_logits)
-        return (lr.exp() * (lr - lp)).sum()
+        return self.pair_kl(self.ref_logits, theta)
 
     def reach(self, theta: torch.Tensor) -> torch.Tensor:
         """[P] probability under pi that a sampled response passes through each prefix (differentiable)."""
@@ -99,21 +97,14 @@ class TabularModel:
         finite where tokens are cut from both (their probability is exactly 0 and their log-ratio finite)."""
         return (self.reach(p) * _token_kl(p, q)).sum()
 
-    def token_kls(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[P] per-prefix KL(pi(.|p) || pi_ref(.|p)) and KL(pi_ref(.|p) || pi(.|p))."""
-        lp, lr = torch.log_softmax(theta, -1), torch.log_softmax(self.ref_logits, -1)
-        return (lp.exp() * (lp - lr)).sum(-1), (lr.exp() * (lr - lp)).sum(-1)
-
     def partial_kl_pi_ref(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
         """sum_p sg(reach(p)) KL(pi(.|p) || pi_ref(.|p)): its gradient is the token-level partial one.
         Prefixes are drawn from pi, or from the behaviour table [P, K] if given (the "@old" partial)."""
-        reach = self.reach(theta if behaviour is None else behaviour).detach()
-        return (reach * self.token_kls(theta)[0]).sum()
+        return self._partial(theta, self.ref_logits, behaviour, 0)
 
     def partial_kl_ref_pi(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
         """sum_p sg(reach(p)) KL(pi_ref(.|p) || pi(.|p)), prefixes drawn from pi (or behaviour), held fixed."""
-        reach = self.reach(theta if behaviour is None else behaviour).detach()
-        return (reach * self.token_kls(theta)[1]).sum()
+        return self._partial(theta, self.ref_logits, behaviour, 1)
 
     def exact_gradients(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None,
                         sampling: Sampling | None = None, target: str = "sampler") -> dict[str, torch.Tensor]:
