@@ -2,6 +2,10 @@
 
 Each docstring states the surrogate and its expected gradient over y ~ pi; the tabular
 tests check those statements exactly. naive_mc and naive_cv are wrong on purpose.
+Under a temperature / top-k / top-p sampling, "pi, pi_ref" is the pair of the KL target
+(klbench.estimators.sampling): target=sampler keeps every statement exactly; target=model leaves only rb
+(off-policy) serving; tempered targets under truncation bias every estimator (docs/sampling.md,
+tests/test_sampling_exact.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Value estimators: a detached number per sampled sequence whose mean estimates KL(pi || pi_ref)."""
+"""Value estimators: a detached number per sampled sequence whose mean estimates KL(pi || pi_ref).
+
+Under a temperature / top-k / top-p sampling, (pi, pi_ref) is the pair of the KL target
+(klbench.estimators.sampling): mc, cv and rb stay unbiased at target=sampler; at target=model only rb serves
+(prefix importance weights); tempered targets under truncation bias them all (docs/sampling.md).
+"""
 from __future__ import annotations
 
 import torch
