@@ -333,7 +333,9 @@ def _lm_path(cfg, cache_root: str | None) -> str:
     raise ValueError(f"model.kind must be tabular, embedded or hf; got {cfg.kind!r}")
 
 
-def _tabular_policy(cfg, teacher) -> "TabularPolicy":
+def _tabular_policy(cfg, teacher, sampling: Sampling | None = None, kl_target: str = "sampler") -> "TabularPolicy":
+    """The tabular policy of model=tabular (a teacher's table as pi_ref for distillation), sampling pi_s and
+    scoring the KL target (build_policy passes task_sampling(cfg.task))."""
     ref_cfg = cfg if teacher is None else teacher
     if (ref_cfg.K, ref_cfg.T, ref_cfg.eos) != (cfg.K, cfg.T, cfg.eos):
         raise ValueError(f"student and teacher vocabularies differ: model (K={cfg.K}, T={cfg.T}, eos={cfg.eos}) "
@@ -342,5 +344,4 @@ def _tabular_policy(cfg, teacher) -> "TabularPolicy":
     start = None
     if teacher is not None:  # the student starts from its own table, the teacher's is pi_ref
         start = TabularModel(cfg.K, cfg.T, eos=cfg.eos, seed=cfg.ref_seed, ref_scale=cfg.ref_scale).ref_logits
-    return TabularPolicy(table, start)
-
+    return TabularPolicy(table, start, sampling, kl_target)
