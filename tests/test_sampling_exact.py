@@ -321,3 +321,17 @@ def test_no_frontier_where_it_has_no_closed_form():
     for s, target in [(Sampling(0.7), "model"), (Sampling(top_p=0.8), "sampler"), (Sampling(top_k=2), "tempered")]:
         m = TabularPolicy(model, sampling=s, kl_target=target).exact_metrics(reward)
         assert "frontier_gap" not in m and "reward" in m, (s, target)
+
+
+def test_the_frontier_cache_follows_the_sampling():
+    # a shallow copy of the policy with another sampling (a view that samples pi itself) gets its own frontier
+    import copy
+    model = TabularModel(3, 3, eos=0, seed=101)
+    reward = TabularReward(model, seed=5)
+    policy = TabularPolicy(model, sampling=Sampling(0.7), kl_target="sampler")
+    tempered = policy.exact_frontier(reward)
+    view = copy.copy(policy)
+    view.sampling = Sampling()
+    plain = view.exact_frontier(reward)
+    assert not torch.equal(tempered.kls, plain.kls)
+    torch.testing.assert_close(plain.kls, model.pareto_frontier(reward.table).kls, rtol=0, atol=0)

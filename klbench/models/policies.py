@@ -212,7 +212,7 @@ class TabularPolicy(Policy):
         self.sampling = Sampling() if sampling is None else sampling
         check_target(self.sampling, kl_target)  # refuses what cannot be estimated; bias warnings are the run's
         self.kl_target = kl_target
-        self._frontier = None  # (reward table, its Frontier): traced once, read at every validation
+        self._frontier = None  # ((reward table, sampling, target), Frontier): traced once, read at every validation
 
     @property
     def _sampled(self) -> Sampling | None:
@@ -286,8 +286,9 @@ class TabularPolicy(Policy):
             model = TabularModel(m.K, m.T, m.ref_logits / s.temperature, eos=m.eos)
         else:
             return None
-        if self._frontier is None or self._frontier[0] is not reward.table:
-            self._frontier = (reward.table, model.pareto_frontier(reward.table))
+        key = (reward.table, s, self.kl_target)  # a copy of this policy with another sampling must not reuse it
+        if self._frontier is None or self._frontier[0][0] is not key[0] or self._frontier[0][1:] != key[1:]:
+            self._frontier = (key, model.pareto_frontier(reward.table))
         return self._frontier[1]
 
     def exact_gradients(self) -> dict[str, torch.Tensor]:
