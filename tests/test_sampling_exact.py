@@ -239,6 +239,38 @@ def test_audit_names_the_target_pair():
     assert report.match == "partial_kl_ref_pi@old" and report.off_policy
 
 
+# ---- the sampler target under truncation: exact, but blind to the mass the sampler cuts ----
+
+@pytest.mark.parametrize("sampling", TRUNCATIONS, ids=[s.describe() for s in TRUNCATIONS])
+def test_sampler_kl_is_the_full_reference_kl_less_the_cut_mass(instance, sampling):
+    # KL(pi_s || pi_ref,s) = KL(pi_s || pi_ref,T) + E_{pi_s}[sum_t log Z_t], Z_t = pi_ref,T's mass on the kept set:
+    # the renormalised reference forgives exactly the reference mass the policy's sampler drops
+    model, theta = instance
+    pol, _ = model.target_tables(theta, sampling, "sampler")
+    ref_t = model.ref_logits / sampling.temperature
+    keep = sampling.keep(theta)  # [P, K]
+    log_z = torch.logsumexp(ref_t.masked_fill(~keep, -float("inf")), -1) - torch.logsumexp(ref_t, -1)  # [P]
+    cut = float((model.reach(model.sampler_table(theta, sampling)) * log_z).sum())
+    assert cut < -1e-3  # some reference mass is cut on every instance
+    full = float(model.pair_kl(pol, ref_t))
+    assert float(model.target_kl(theta, sampling, "sampler")) == pytest.approx(full + cut, abs=1e-12)
+    assert "narrows its kept set" in check_target(sampling, "sampler")
+
+
+def test_sampler_kl_is_zero_for_a_policy_that_keeps_one_token():
+    # a sharp policy whose top-p set is one token on every prefix it reaches: the sampler target's KL is 0 exactly
+    # (so is its gradient), however far the model is from pi_ref; what a tabular run at T 0.7, top-p 0.9 reaches
+    s = Sampling(temperature=0.7, top_p=0.9)
+    for model, theta in default_instances():
+        sharp = 30 * theta
+        reach = model.reach(model.sampler_table(sharp, s))  # [P]
+        assert bool((s.keep(sharp).sum(-1)[reach > 0] == 1).all())
+        assert float(model.target_kl(sharp, s, "sampler")) == 0
+        g = model.exact_gradients(sharp, sampling=s, target="sampler")["kl_pi_ref"]
+        assert float(g.abs().max()) == 0
+        assert float(model.kl_pi_ref(sharp)) > 2 and float(model.target_kl(sharp, s, "tempered")) > 2
+
+
 # ---- the tinker-cookbook #689 pairing: KL(pi_T || pi_ref) ----
 
 @pytest.mark.parametrize("sampling", TEMPERATURES, ids=[s.describe() for s in TEMPERATURES])

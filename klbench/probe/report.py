@@ -68,8 +68,8 @@ def summary(result: ProbeResult) -> str:
              f"{meta['ci_level']:.0%} bootstrap CIs"]
     if "kl_target" in meta:  # the KL every row is measured against (klbench.estimators.sampling)
         lines.append(f"sampling {meta['sampling']}; task.kl_target={meta['kl_target']}: {meta['target_kl']}")
-        if meta.get("target_bias"):
-            lines.append(f"warning: {meta['target_bias']}")
+        if meta.get("target_warning"):
+            lines.append(f"warning: {meta['target_warning']}")
     lines.append("")
     lines.append(format_table(result.value_rows(), VALUE_SUMMARY_COLUMNS))
     lines.append("")
