@@ -271,6 +271,37 @@ def test_sampler_kl_is_zero_for_a_policy_that_keeps_one_token():
         assert float(model.kl_pi_ref(sharp)) > 2 and float(model.target_kl(sharp, s, "tempered")) > 2
 
 
+def test_the_unrestricted_reference_alternative(monkeypatch):
+    # docs/sampling.md's alternative (not implemented): the sampler target against pi_ref,T over the whole
+    # vocabulary. y ~ pi_s exactly: mc, rb and the kl_pi_ref gradient family stay exact; k3 is biased by exactly
+    # E_{pi_s}[sum_t (Z_t - 1)]; a single kept token is charged
+    import klbench.estimators.sampling as sampling_module
+    import klbench.exact.tabular as tabular
+    plain_pair = tabular.target_pair
+
+    def unrestricted(logits, ref_logits, sampling, target):
+        pol, ref = plain_pair(logits, ref_logits, sampling, target)
+        return pol, ref_logits / sampling.temperature
+
+    monkeypatch.setattr(tabular, "target_pair", unrestricted)  # the exact truth
+    monkeypatch.setattr(sampling_module, "target_pair", unrestricted)  # the batches (target_batch)
+    s = Sampling(temperature=0.7, top_p=0.9)
+    for model, theta in default_instances():
+        g = model.exact_gradients(theta, sampling=s, target="sampler")["kl_pi_ref"]
+        for name, n in (("seq", 1), ("cumulative", 1), ("loo", 2), ("rb", 1)):
+            _assert_grad(model, theta, gradient_estimator(name), g, s, "sampler", n=n)
+        kl = float(model.target_kl(theta, s, "sampler"))
+        for name in ("mc", "rb"):
+            assert float(model.value_moments(value_estimator(name), theta, sampling=s, target="sampler").mean) \
+                == pytest.approx(kl, abs=TOL)
+        ref_t = model.ref_logits / 0.7
+        z = torch.softmax(ref_t, -1).masked_fill(~s.keep(theta), 0).sum(-1)  # [P] kept reference mass
+        k3_bias = float((model.reach(model.sampler_table(theta, s)) * (z - 1)).sum())
+        k3 = float(model.value_moments(value_estimator("cv"), theta, sampling=s, target="sampler").mean)
+        assert k3 - kl == pytest.approx(k3_bias, abs=TOL) and k3_bias < -1e-3
+        assert float(model.target_kl(30 * theta, s, "sampler")) > 1
+
+
 # ---- the tinker-cookbook #689 pairing: KL(pi_T || pi_ref) ----
 
 @pytest.mark.parametrize("sampling", TEMPERATURES, ids=[s.describe() for s in TEMPERATURES])
