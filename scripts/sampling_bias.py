@@ -74,11 +74,13 @@ def tables() -> None:
             row = biases(s, target)
             print(f"| {target} | {s.describe()} | " + " | ".join(f"{v:+.3f}" for v in row.values()) + " |")
     print("columns: " + " | ".join(biases(Sampling(0.7), "sampler")))
-    print("\ntinker pairing without reward: | T | KL(pi_T || pi_ref) at pi = pi_ref | KL(pi || pi_ref) at its minimum |")
+    print("\ntinker pairing without reward: "
+          "| T | KL(pi_T || pi_ref) at pi = pi_ref | KL(pi || pi_ref) at its minimum |")
     for t in TABLE_TEMPERATURES:
         a, b = tinker_cost(t)
         print(f"| {t:g} | {a:.4f} | {b:.4f} |")
-    print("\ntarget=model, rb with prefix importance weights: | T | tr Cov(grad) / on-policy | Var(value) / on-policy |")
+    print("\ntarget=model, rb with prefix importance weights: "
+          "| T | tr Cov(grad) / on-policy | Var(value) / on-policy |")
     for t in TABLE_TEMPERATURES:
         a, b = model_target_cost(t)
         print(f"| {t:g} | {a:.3f} | {b:.3f} |")
