@@ -77,7 +77,7 @@ class Seq(Estimator):
 
 @gradient
 class Cumulative(Estimator):
-    """cumulative: L = sum_t sg(sum_{s>=t} rho_s) l_t. Expected gradient: grad kl_pi_ref, lower variance than seq.
+    """cumulative: L = sum_t sg(sum_{s>=t} rho_s) l_t. Expected gradient: grad kl_pi_ref, usually lower variance than seq.
 
     l_t only multiplies the log-ratios that y_t can influence (s >= t), dropping pure-noise terms of seq.
     """
@@ -104,7 +104,8 @@ class LOO(Estimator):
 
 @gradient
 class RB(Estimator):
-    """rb: L = sum_t kappa_t + sum_t sg(sum_{s>t} kappa_s) l_t. Expected gradient: grad kl_pi_ref, lowest variance.
+    """rb: L = sum_t kappa_t + sum_t sg(sum_{s>t} kappa_s) l_t. Expected gradient: grad kl_pi_ref, usually the lowest
+    variance (not always: tests/test_tabular.py::test_variance_orderings_can_reverse).
 
     Off-policy (KLBatch.old_logp, y ~ pi_old): prefix importance weights, see _off_policy; expected
     gradient under y ~ pi_old: grad kl_pi_ref.

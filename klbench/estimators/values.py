@@ -80,7 +80,8 @@ class CVOpt(Estimator):
 class RB(Estimator):
     """rb (Rao-Blackwellised): sum_t kappa_t, the exact per-position KL over the vocabulary.
 
-    Unbiased, never negative, variance <= mc. Needs logits and ref_logits in the batch.
+    Unbiased, never negative; its variance is usually well below mc's, but not always (an exact counterexample at
+    4.8x mc's: tests/test_tabular.py::test_variance_orderings_can_reverse). Needs logits and ref_logits in the batch.
     Off-policy (KLBatch.old_logp, y ~ pi_old): sum_t W_<t kappa_t, each position's KL weighted by the importance
     ratio of its prefix W_<t = prod_{s<t} pi/pi_old; unbiased for kl_pi_ref under y ~ pi_old (pi_old covering pi),
     e.g. task.kl_target=model, where pi_old is the tempered sampler. Exactly the on-policy value when old_logp = logp.
