@@ -382,8 +382,11 @@ def test_no_frontier_where_it_has_no_closed_form():
     model = TabularModel(3, 3, eos=0, seed=101)
     reward = TabularReward(model, seed=5)
     for s, target in [(Sampling(0.7), "model"), (Sampling(top_p=0.8), "sampler"), (Sampling(top_k=2), "tempered")]:
-        m = TabularPolicy(model, sampling=s, kl_target=target).exact_metrics(reward)
+        m = TabularPolicy(model, model.random_policy(seed=9), sampling=s, kl_target=target).exact_metrics(reward)
         assert "frontier_gap" not in m and "reward" in m, (s, target)
+        if target == "model":  # seq_kl is the model's KL: no second key for it
+            assert "model_kl" not in m and m["seq_kl"] == pytest.approx(float(model.kl_pi_ref(model.random_policy(
+                seed=9))), abs=1e-12)
 
 
 def test_the_frontier_cache_follows_the_sampling():

@@ -255,14 +255,15 @@ class TabularPolicy(Policy):
     def exact_metrics(self, reward=None) -> dict[str, float]:
         """seq_kl: the exact KL of the run's target (KL(pi || pi_ref) at plain sampling); kl_ref_pi: the target
         pair's other direction; reward: E[r] under the sampler pi_s, which is what the run earns. Away from plain
-        sampling also model_kl = KL(pi || pi_ref) of the untempered models, whatever the target."""
+        sampling also model_kl = KL(pi || pi_ref) of the untempered models (seq_kl itself at target=model)."""
         theta, s = self.theta.detach(), self._sampled
         if s is None:
             out = {"seq_kl": float(self.table.kl_pi_ref(theta)), "kl_ref_pi": float(self.table.kl_ref_pi(theta))}
         else:
             p, q = self.table.target_tables(theta, s, self.kl_target)
-            out = {"seq_kl": float(self.table.pair_kl(p, q)), "kl_ref_pi": float(self.table.pair_kl(q, p)),
-                   "model_kl": float(self.table.kl_pi_ref(theta))}
+            out = {"seq_kl": float(self.table.pair_kl(p, q)), "kl_ref_pi": float(self.table.pair_kl(q, p))}
+            if self.kl_target != "model":  # at target=model seq_kl is that KL already
+                out["model_kl"] = float(self.table.kl_pi_ref(theta))
         frontier = self.exact_frontier(reward)
         if isinstance(reward, TabularReward):
             r = float((self.table.sample_probs(theta, sampling=s) * reward.table).sum())
