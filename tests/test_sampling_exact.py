@@ -237,6 +237,7 @@ def test_audit_names_the_target_pair():
     assert audit(gradient_estimator("rb"), sampling=s, target="tempered").match == "none of the above"
     report = audit(gradient_estimator("in_loss", value="k3"), sampling=Sampling(0.5), target="model")
     assert report.match == "partial_kl_ref_pi@old" and report.off_policy
+    assert str(report).startswith("samples from pi_s (temperature=0.5, task.kl_target=model)")
 
 
 # ---- the sampler target under truncation: exact, but blind to the mass the sampler cuts ----

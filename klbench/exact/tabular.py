@@ -365,10 +365,14 @@ class AuditReport:
     rows: list[AuditRow]
     match: str  # a candidate name, "<scale> x <candidate>", or "none of the above"
     off_policy: bool = False  # samples were drawn from a behaviour policy pi_old != pi
+    sampling: str = ""  # the sampling and KL target audited ("" at plain sampling); "@old" is then pi_s
 
     def __str__(self) -> str:
         width = max(20, *(len(r.candidate) for r in self.rows))
-        lines = ["samples from a behaviour policy pi_old != pi (KLBatch.old_logp set)"] if self.off_policy else []
+        lines = [f"samples from pi_s ({self.sampling}); candidates of the target's pair"] if self.sampling else []
+        if self.off_policy:
+            lines.append("samples from a behaviour policy pi_old != pi (KLBatch.old_logp set)" if not self.sampling
+                         else "the samples do not come from the target's policy: \"@old\" = prefixes from pi_s")
         lines.append(f"{'candidate':<{width}} {'cosine':>8} {'rel_error':>10} {'scale':>8}")
         for r in self.rows:
             lines.append(f"{r.candidate:<{width}} {r.cosine:>8.4f} {r.rel_error:>10.2e} {r.scale:>8.4f}")
@@ -441,7 +445,9 @@ def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Ten
             per[c].append((cos, float((mean - g).norm() / g.norm()), scale))
     rows = [AuditRow(c, sum(v[0] for v in vals) / len(vals), max(v[1] for v in vals),
                      sum(v[2] for v in vals) / len(vals)) for c, vals in per.items()]
-    return AuditReport(rows, _verdict(rows, per, tol), off_policy=behaviour is not None or has_old)
+    described = f"{sampling.describe()}, task.kl_target={target}" if sampling is not None else ""
+    return AuditReport(rows, _verdict(rows, per, tol), off_policy=behaviour is not None or has_old,
+                       sampling=described)
 
 
 def _verdict(rows: list[AuditRow], per: dict, tol: float) -> str:
