@@ -7,14 +7,21 @@ tabular instances (exact enumeration, no sampling).
 Off-policy: pi_old = theta + 0.5 * N(0, 1) per instance (klbench.exact.tabular.behaviour_tables(..., 0.5)). An
 estimator that refuses old_logp != logp is audited with old_logp withheld (what it would do if it were fed
 pi_old's samples anyway), and marked so.
+
+    python scripts/placement_grid.py --targets   # the KL-target axis instead (docs/placement.md, docs/sampling.md)
+
+The target axis: samples from pi_s, batches from klbench.estimators.sampling.target_batch, the candidates those of
+the target's pair (TabularModel.target_gradients), at the settings of TARGET_COLUMNS.
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 import torch
 
 from klbench.estimators import gradient_estimator
+from klbench.estimators.sampling import Sampling
 from klbench.exact.tabular import audit
 
 CELLS = [  # (cell, estimator, options, n, known name)
@@ -48,13 +55,42 @@ def verdicts(name: str, opts: dict, n: int) -> tuple[str, str]:
     return on, off
 
 
+# (column title, sampling, target): the sampler's own KL at a temperature and under truncation, the model's KL
+# with pi_s as the behaviour policy, and a tempered target under truncation (TRL/verl with a truncating sampler)
+TARGET_COLUMNS = [("sampler, T=0.7", Sampling(temperature=0.7), "sampler"),
+                  ("sampler, T=0.7 top_p=0.9", Sampling(temperature=0.7, top_p=0.9), "sampler"),
+                  ("model, T=0.7", Sampling(temperature=0.7), "model"),
+                  ("tempered, T=0.7 top_p=0.9", Sampling(temperature=0.7, top_p=0.9), "tempered")]
+
+
+def target_verdict(name: str, opts: dict, n: int, sampling: Sampling, target: str) -> str:
+    """The audit's verdict for the target's pair; "refuses" where the estimator refuses the target's batch."""
+    try:
+        return audit(gradient_estimator(name, **opts), n=n, sampling=sampling, target=target).match
+    except ValueError as e:
+        if "assumes y ~ pi" not in str(e):
+            raise
+        return "refuses (on-policy only)"
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--targets", action="store_true", help="the KL-target axis instead of on/off-policy")
+    targets = parser.parse_args().targets
     torch.set_num_threads(1)
-    print("| cell | klbench | known as | on-policy (y ~ pi) | off-policy (y ~ pi_old) |")
-    print("|---|---|---|---|---|")
+    if targets:
+        print("| cell | klbench | " + " | ".join(c for c, _, _ in TARGET_COLUMNS) + " |")
+        print("|---|---|" + "---|" * len(TARGET_COLUMNS))
+    else:
+        print("| cell | klbench | known as | on-policy (y ~ pi) | off-policy (y ~ pi_old) |")
+        print("|---|---|---|---|---|")
     for cell, name, opts, n, known in CELLS:
-        on, off = verdicts(name, opts, n)
         args = ", ".join(f"{k}={v}" for k, v in opts.items())
+        if targets:
+            cols = [target_verdict(name, opts, n, s, t) for _, s, t in TARGET_COLUMNS]
+            print(f"| {cell} | `{name}({args})` | " + " | ".join(cols) + " |")
+            continue
+        on, off = verdicts(name, opts, n)
         print(f"| {cell} | `{name}({args})` | {known} | {on} | {off} |")
 
 

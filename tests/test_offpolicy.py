@@ -154,7 +154,7 @@ def _off_batch():
 
 ON_POLICY_ONLY = ([("gradient", n, {}) for n, c in GRADIENT_ESTIMATORS.items() if not c.off_policy]
                   + [("gradient", "in_loss", {"ratio": "none"})]
-                  + [("value", n, {}) for n in VALUE_ESTIMATORS])
+                  + [("value", n, {}) for n, c in VALUE_ESTIMATORS.items() if not c.off_policy])
 
 
 @pytest.mark.parametrize("kind,name,opts", ON_POLICY_ONLY, ids=[f"{k}-{n}{o}" for k, n, o in ON_POLICY_ONLY])
@@ -247,3 +247,14 @@ def test_openrlhf_example_equals_in_loss_k2_token_ratio_in_gradient():
 def test_audit_rejects_bad_behaviour(behaviour, msg):
     with pytest.raises(ValueError, match=msg):
         behaviour_tables(default_instances(), behaviour)
+
+
+def test_rb_value_off_policy_is_unbiased(instance):
+    # sum_t W_<t kappa_t: each position's exact KL weighted by its prefix's ratio; E_{pi_old}[.] = kl_pi_ref
+    model, theta, old, _ = instance
+    mean = model.value_moments(value_estimator("rb"), theta, behaviour=old).mean
+    assert abs(float(mean - model.kl_pi_ref(theta))) <= 1e-9
+    # and it is the on-policy value, sample by sample, when pi_old = pi
+    batch = model.batch(theta, torch.arange(model.N))
+    same = replace(batch, old_logp=batch.logp.detach().clone(), token_kl=None)
+    torch.testing.assert_close(value_estimator("rb")(same), value_estimator("rb")(batch), rtol=0, atol=1e-12)

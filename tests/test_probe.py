@@ -37,7 +37,7 @@ def _exact(policy: TabularPolicy, sizes: list[int]) -> dict:
     for lab, (name, opts) in value_variants().items():
         est = value_estimator(name, **opts)
         if lab in BATCH_FITTED:  # fitted on each M-tuple: enumerate the M=2 tuples one by one
-            idx, w = model._tuples(theta, 2)
+            idx, w = model._tuples(model.sample_probs(theta), 2)
             vals = torch.stack([est(model.batch(theta, row)).double().mean() for row in idx])
             mean = float((w * vals).sum())
             out[("value", lab, 2)] = {"bias": mean - kl, "std": float((w * (vals - mean) ** 2).sum()) ** 0.5}
@@ -303,3 +303,73 @@ def test_probe_on_a_tiny_hf_lm_pair(tmp_path, single_thread, tiny_pair):
     assert grads["rb"]["cos_kl_pi_ref_lo"] <= 1 <= grads["rb"]["cos_kl_pi_ref_hi"], grads["rb"]
     values = list(csv.DictReader(open(folder / "probe_values.csv")))
     assert {r["estimator"] for r in values} >= {"mc", "k2", "k3", "cv_seq", "cv_opt", "rb"}
+
+
+# ---- the probe under a sampling: every row is measured against the run's KL target ----
+
+def _sampled_policy(sampling, target):
+    from klbench.estimators.sampling import Sampling
+    model = TabularModel(4, 3, eos=0, seed=101)
+    return TabularPolicy(model, model.random_policy(201, 1.0), sampling=Sampling(**sampling), kl_target=target)
+
+
+@pytest.mark.parametrize("sampling,target", [({"temperature": 0.7, "top_p": 0.9}, "sampler"),
+                                             ({"temperature": 0.7, "top_p": 0.9}, "tempered"),
+                                             ({"temperature": 1.5}, "model")])
+def test_probe_measures_the_kl_target_on_tabular(sampling, target, single_thread):
+    policy = _sampled_policy(sampling, target)
+    model, theta, s = policy.table, policy.theta.detach(), policy.sampling
+    cfg = ProbeOptions(samples=MX, grad_samples=MG, replicates=300, bootstrap=300, seed=7,
+                       value_estimators=["mc", "rb"], gradient_estimators=["seq", "rb", "naive_mc"])
+    res = run_probe(policy, ["<t>"] * P, cfg, progress=False)
+    kl = float(model.target_kl(theta, s, target))
+    assert res.meta["kl_reference"] == pytest.approx(kl, abs=1e-12)  # exact: the target's KL
+    assert res.meta["kl_target"] == target and res.meta["sampling"] == s.describe()
+    values = {r["estimator"]: r for r in res.value_rows(1)}
+    grads = {r["estimator"]: r for r in res.gradients}
+    text = report_summary(res)
+    assert f"task.kl_target={target}" in text
+    if target == "sampler":  # y ~ pi_s: unbiased, as at T = 1
+        for lab in ("mc", "rb"):
+            assert values[lab]["bias_lo"] <= 0 <= values[lab]["bias_hi"], lab
+        for lab in ("seq", "rb"):
+            assert grads[lab]["cos_kl_pi_ref_lo"] <= 1 <= grads[lab]["cos_kl_pi_ref_hi"], lab
+    elif target == "tempered":  # y ~ pi_s != pi_T: the probe sees the exact bias, within its CI
+        assert "warning: task.kl_target=tempered" in text
+        exact = float(model.value_moments(value_estimator("mc"), theta, sampling=s, target=target).mean) - kl
+        assert abs(exact) > 0.05
+        assert values["mc"]["bias_lo"] <= exact <= values["mc"]["bias_hi"]
+        assert not values["mc"]["bias_lo"] <= 0 <= values["mc"]["bias_hi"]
+    else:  # model: only the estimators that correct for the behaviour pi_s are measured, and rb is exact
+        assert set(res.meta["skipped"]) == {"mc", "seq", "naive_mc"}
+        assert abs(values["rb"]["bias_lo"]) <= 0.05 and values["rb"]["bias_lo"] <= 0 <= values["rb"]["bias_hi"]
+        assert grads["rb"]["cos_kl_pi_ref_lo"] <= 1 <= grads["rb"]["cos_kl_pi_ref_hi"]
+
+
+class _NoTruth(TabularPolicy):
+    """A tabular policy that hides its truth: the probe then takes the sampled (LM) references."""
+
+    def exact_gradients(self):
+        return None
+
+
+@pytest.mark.parametrize("sampling,target,reverse", [({"temperature": 0.7}, "sampler", True),
+                                                     ({"temperature": 0.7}, "model", False),
+                                                     ({"top_k": 2}, "sampler", False)])
+def test_lm_references_follow_the_target(sampling, target, reverse, single_thread):
+    base = _sampled_policy(sampling, target)
+    policy = _NoTruth(base.table, base.theta.detach(), base.sampling, target)
+    cfg = ProbeOptions(samples=2, grad_samples=2, replicates=3, bootstrap=20, ref_batches=20, ref_samples=200,
+                       value_estimators=["rb"], gradient_estimators=["rb"])
+    res = run_probe(policy, ["<t>"], cfg, progress=False)
+    kl = float(base.table.target_kl(base.theta.detach(), base.sampling, target))
+    assert abs(res.meta["kl_reference"] - kl) <= 4 * res.meta["kl_reference_se"] + 1e-9
+    how = res.meta["references"]["kl_ref_pi"]["how"]
+    assert how.startswith("not measured") != reverse, how
+    if not reverse:
+        assert math.isnan(res.gradients[0]["cos_kl_ref_pi"])
+
+
+def report_summary(result):
+    from klbench.probe.report import summary
+    return summary(result)

@@ -204,3 +204,23 @@ def test_audit_clamped_k3_follows_partial_kl_ref_pi_only_while_no_clamp_fires():
     report = audit(gradient_estimator("naive_cv", clamp=10.0))
     assert report.match == "none of the above"
     assert max(report.rows, key=lambda r: r.cosine if r.candidate != "zero" else -1).candidate == "partial_kl_ref_pi"
+
+
+# ---- the variance orderings are not laws: exact counterexamples ----
+
+def test_variance_orderings_can_reverse():
+    """rb's value variance below mc's, and rb <= cumulative <= seq for the gradient, hold on the instances above
+    but are not theorems: rb = sum_t E[rho_t | y_<t] conditions each term on a different prefix, and the kappa of
+    later positions can co-vary with the earlier log-ratios that mc's sum lets cancel. On this instance (K=3, T=3,
+    eos=0, reference and policy at scale 2) every ordering reverses, exactly."""
+    model = TabularModel(3, 3, eos=0, seed=7, ref_scale=2.0)
+    theta = model.random_policy(seed=1007, scale=2.0)
+    rb = model.value_moments(value_estimator("rb"), theta).trace
+    mc = model.value_moments(value_estimator("mc"), theta).trace
+    tr = {n: model.gradient_moments(gradient_estimator(n), theta).trace for n in ("rb", "cumulative", "seq")}
+    print(f"\nvalue variance rb {rb:.4f} mc {mc:.4f}; gradient tr Cov rb {tr['rb']:.4f} "
+          f"cumulative {tr['cumulative']:.4f} seq {tr['seq']:.4f}")
+    assert rb > 4 * mc
+    assert tr["rb"] > tr["cumulative"] > tr["seq"]
+    # both still unbiased
+    assert abs(float(model.value_moments(value_estimator("rb"), theta).mean - model.kl_pi_ref(theta))) <= TOL

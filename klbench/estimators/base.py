@@ -128,6 +128,13 @@ def reward_to_go(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
+def prefix_weights(batch: KLBatch) -> torch.Tensor:
+    """[B, T] detached W_<t = prod_{s<t} pi(y_s|y_<s) / pi_old(y_s|y_<s): the importance weight of the prefix that
+    position t's exact KL depends on (exactly 1 on-policy); 1 past the mask, where kappa is 0."""
+    log_w = batch.log_w.detach()  # [B, T], zero off the mask
+    return torch.exp(log_w.cumsum(-1) - log_w)
+
+
 def control_variate(batch: KLBatch, lam: float, level: str, clamp: float | None) -> Estimate:
     """rho + lam * (exp(-rho) - 1) per token or per sequence, summed to [B]; differentiable.
 

@@ -2,13 +2,17 @@
 
 Each docstring states the surrogate and its expected gradient over y ~ pi; the tabular
 tests check those statements exactly. naive_mc and naive_cv are wrong on purpose.
+Under a temperature / top-k / top-p sampling, "pi, pi_ref" is the pair of the KL target
+(klbench.estimators.sampling): target=sampler keeps every statement exactly; target=model leaves only rb
+(off-policy) serving; tempered targets under truncation bias every estimator (docs/sampling.md,
+tests/test_sampling_exact.py).
 """
 from __future__ import annotations
 
 import torch
 
-from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimate, Estimator, control_variate, register,
-                                     reward_to_go, seq_sum)
+from klbench.estimators.base import (GRADIENT_ESTIMATORS, Estimate, Estimator, control_variate, prefix_weights,
+                                     register, reward_to_go, seq_sum)
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.baselines import leave_one_out_mean
 from klbench.estimators.options import ControlVariateOptions
@@ -73,7 +77,7 @@ class Seq(Estimator):
 
 @gradient
 class Cumulative(Estimator):
-    """cumulative: L = sum_t sg(sum_{s>=t} rho_s) l_t. Expected gradient: grad kl_pi_ref, lower variance than seq.
+    """cumulative: L = sum_t sg(sum_{s>=t} rho_s) l_t. Expected gradient: grad kl_pi_ref, usually lower variance than seq.
 
     l_t only multiplies the log-ratios that y_t can influence (s >= t), dropping pure-noise terms of seq.
     """
@@ -100,7 +104,8 @@ class LOO(Estimator):
 
 @gradient
 class RB(Estimator):
-    """rb: L = sum_t kappa_t + sum_t sg(sum_{s>t} kappa_s) l_t. Expected gradient: grad kl_pi_ref, lowest variance.
+    """rb: L = sum_t kappa_t + sum_t sg(sum_{s>t} kappa_s) l_t. Expected gradient: grad kl_pi_ref, usually the lowest
+    variance (not always: tests/test_tabular.py::test_variance_orderings_can_reverse).
 
     Off-policy (KLBatch.old_logp, y ~ pi_old): prefix importance weights, see _off_policy; expected
     gradient under y ~ pi_old: grad kl_pi_ref.
@@ -127,8 +132,7 @@ class RB(Estimator):
         L = sum_t sg(W_<t) kappa_t + sum_t sg(sum_{s>t} W_<s kappa_s) l_t, W_<t = prod_{s<t} pi/pi_old.
         At old_logp == logp every weight is exactly 1 and L equals the on-policy surrogate.
         """
-        log_w = batch.log_w.detach()  # [B, T], zero off the mask
-        w_prefix = torch.exp(log_w.cumsum(-1) - log_w)  # [B, T]: W_<t, the ratio of y_<t
+        w_prefix = prefix_weights(batch)  # [B, T]: W_<t, the ratio of y_<t
         wk = w_prefix * kappa.detach()  # [B, T]
         future = reward_to_go(wk) - wk  # [B, T]: sum_{s>t} W_<s kappa_s
         return seq_sum(w_prefix * kappa) + seq_sum(future * batch.masked_logp)

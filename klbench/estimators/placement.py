@@ -17,6 +17,10 @@ W_<=t = prod_{s<=t} w_s (prefix ratio); v the per-sequence value, v_t its per-to
 The general identity behind the grid: for a value v(y; theta),
     grad E_pi[v] = E_pi[v grad log pi(y)]  (score part: in_reward)  +  E_pi[grad v]  (path-wise part: in_loss).
 Only where one part vanishes or is itself a KL gradient does a single placement give grad kl_pi_ref.
+
+Under a sampling (klbench.estimators.sampling) every statement holds for the KL target's pair: `sampler` keeps the
+on-policy grid at any temperature and truncation, `model` (a temperature alone) is the off-policy grid with
+pi_old = pi_s, and a tempered target under truncation leaves every cell biased (docs/sampling.md).
 """
 from __future__ import annotations
 

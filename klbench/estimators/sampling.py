@@ -14,7 +14,9 @@ compares is its KL target, named explicitly:
                    temperature restricted to the tokens pi_s keeps (renormalised there), so that the KL is
                    finite under truncation. y ~ pi_s exactly: every estimator keeps its T = 1 claims with
                    (pi_s, pi_ref,s) in place of (pi, pi_ref). The truncation set is held fixed in the gradient
-                   (it is piecewise constant in the logits).
+                   (it is piecewise constant in the logits). Under truncation this KL is blind to the reference
+                   mass the sampler cuts (KL(pi_s || pi_ref,T) + E[sum_t log Z_t], Z_t the reference's kept
+                   mass): one token kept per step pays nothing; check_target warns (docs/sampling.md).
   model            KL(pi || pi_ref) of the untempered models; y ~ pi_s is a behaviour policy, so the batch
                    carries old_logp = log pi_s(y) and only the off-policy estimators (KLBatch.old_logp) serve.
                    Exact for a temperature alone (pi_s covers pi). Under truncation pi_s does not cover pi and
@@ -106,14 +108,20 @@ class Sampling:
 
 
 def check_target(sampling: Sampling, target: str) -> str | None:
-    """ValueError for a target that cannot be estimated at all under this sampling; else the one-line bias
-    warning of a target whose every estimator is biased here (None when it is exact)."""
+    """ValueError for a target that cannot be estimated at all under this sampling; else a one-line warning where
+    the target does not measure what a user would read into it here (None otherwise): every estimator biased
+    (tempered targets under truncation), or, for `sampler` under truncation, a KL blind to the cut mass."""
     if target not in KL_TARGETS:
         raise ValueError(f"task.kl_target={target!r} is unknown; valid: {', '.join(KL_TARGETS)}")
     if target == "model" and sampling.truncates:
         raise ValueError(f"task.kl_target=model with {sampling.describe()}: the truncated sampler never draws "
                          "the tokens it cuts, so no importance weight recovers KL(pi || pi_ref); use "
                          "task.kl_target=sampler, or sample without truncation (task.top_k=0 task.top_p=1)")
+    if target == "sampler" and sampling.truncates:
+        return (f"task.kl_target=sampler with {sampling.describe()}: KL(pi_s || pi_ref,s) compares the two models "
+                f"only on the tokens the sampler keeps, so a policy that narrows its kept set pays less, and one "
+                f"token kept per step pays nothing whatever pi_ref gives it: the KL can fall to 0 while the model "
+                f"drifts (docs/sampling.md)")
     if target in ("tempered", "tempered_vs_raw") and sampling.truncates:
         return (f"task.kl_target={target} with {sampling.describe()}: the samples come from the truncated "
                 f"sampler, not from the tempered policy this target scores, so every estimator is biased "

@@ -1,9 +1,15 @@
-"""Value estimators: a detached number per sampled sequence whose mean estimates KL(pi || pi_ref)."""
+"""Value estimators: a detached number per sampled sequence whose mean estimates KL(pi || pi_ref).
+
+Under a temperature / top-k / top-p sampling, (pi, pi_ref) is the pair of the KL target
+(klbench.estimators.sampling): mc, cv and rb stay unbiased at target=sampler; at target=model only rb serves
+(prefix importance weights); tempered targets under truncation bias them all (docs/sampling.md).
+"""
 from __future__ import annotations
 
 import torch
 
-from klbench.estimators.base import VALUE_ESTIMATORS, Estimate, Estimator, control_variate, register, seq_sum
+from klbench.estimators.base import (VALUE_ESTIMATORS, Estimate, Estimator, control_variate, prefix_weights, register,
+                                     seq_sum)
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.options import REPORTED_VALUES, ControlVariateOptions
 
@@ -74,13 +80,20 @@ class CVOpt(Estimator):
 class RB(Estimator):
     """rb (Rao-Blackwellised): sum_t kappa_t, the exact per-position KL over the vocabulary.
 
-    Unbiased, never negative, variance <= mc. Needs logits and ref_logits in the batch.
+    Unbiased, never negative; its variance is usually well below mc's, but not always (an exact counterexample at
+    4.8x mc's: tests/test_tabular.py::test_variance_orderings_can_reverse). Needs logits and ref_logits in the batch.
+    Off-policy (KLBatch.old_logp, y ~ pi_old): sum_t W_<t kappa_t, each position's KL weighted by the importance
+    ratio of its prefix W_<t = prod_{s<t} pi/pi_old; unbiased for kl_pi_ref under y ~ pi_old (pi_old covering pi),
+    e.g. task.kl_target=model, where pi_old is the tempered sampler. Exactly the on-policy value when old_logp = logp.
     """
 
     name = "rb"
+    off_policy = True
 
     def compute(self, batch: KLBatch) -> torch.Tensor:
-        return seq_sum(batch.kappa).detach()
+        if batch.old_logp is None:
+            return seq_sum(batch.kappa).detach()
+        return seq_sum(prefix_weights(batch) * batch.kappa.detach())
 
 
 # The value estimators klbench reports, by label (declared without torch in klbench.estimators.options).

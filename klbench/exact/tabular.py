@@ -4,6 +4,10 @@ estimator moments, the exact reward+KL optimum and its Pareto frontier, and the 
 A policy is a logit table `theta` [P, K]: one row of next-token logits per prefix. Prefixes are all
 token tuples of length 0..T-1 that contain no EOS. A sequence ends at EOS (which is itself a
 response token) or after T tokens; positions after EOS are padding and masked out.
+
+Sampling (klbench.estimators.sampling): with a `Sampling` (temperature, top-k, top-p), samples come from
+pi_s = the table processed row by row as generate() processes logits, batches are built by `target_batch`
+for a KL target, and the exact target KLs and their gradients come from `target_tables` (docs/sampling.md).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from klbench.estimators import KLBatch
+from klbench.estimators.sampling import Sampling, target_batch, target_pair
 
 DTYPE = torch.float64
 Surrogate = Callable[[KLBatch], torch.Tensor]
@@ -41,9 +46,14 @@ class TabularModel:
             self.tokens[n, : len(y)] = torch.tensor(y)
             self.seq_prefix[n, : len(y)] = torch.tensor([self.prefix_id[y[:t]] for t in range(len(y))])
             self.mask[n, : len(y)] = True
-        # parent prefix and last token of every non-root prefix, for reach probabilities
-        self.parent = torch.tensor([self.prefix_id[p[:-1]] if p else -1 for p in self.prefixes])
-        self.last = torch.tensor([p[-1] if p else -1 for p in self.prefixes])
+        # every prefix as the (prefix row, token) steps that reach it, for reach probabilities: [P, T] each
+        self.path_rows = torch.zeros(self.P, T, dtype=torch.long)
+        self.path_tokens = torch.zeros(self.P, T, dtype=torch.long)
+        self.path_mask = torch.zeros(self.P, T, dtype=torch.bool)
+        for i, p in enumerate(self.prefixes):
+            self.path_rows[i, : len(p)] = torch.tensor([self.prefix_id[p[:t]] for t in range(len(p))], dtype=torch.long)
+            self.path_tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            self.path_mask[i, : len(p)] = True
         gen = torch.Generator().manual_seed(seed)
         self.ref_logits = (ref_scale * torch.randn(self.P, K, generator=gen, dtype=DTYPE) if ref_logits is None
                            else ref_logits.to(DTYPE))
@@ -62,67 +72,115 @@ class TabularModel:
         logp = torch.log_softmax(table, -1)[self.seq_prefix].gather(-1, self.tokens.unsqueeze(-1)).squeeze(-1)
         return torch.where(self.mask, logp, torch.zeros((), dtype=logp.dtype)).sum(-1)
 
+    def seq_prob(self, table: torch.Tensor) -> torch.Tensor:
+        """[N] probability of every complete sequence, as a product of token probabilities: a table with cut
+        tokens (-inf, or sampling.excluded's finite minimum) gives exact zeros, where a sum of log-probs would
+        overflow to -inf + -inf."""
+        p = torch.softmax(table, -1)[self.seq_prefix].gather(-1, self.tokens.unsqueeze(-1)).squeeze(-1)  # [N, T]
+        return torch.where(self.mask, p, torch.ones((), dtype=p.dtype)).prod(-1)
+
     def kl_pi_ref(self, theta: torch.Tensor) -> torch.Tensor:
         """KL(pi || pi_ref) over whole sequences."""
-        lp, lr = self.seq_logprob(theta), self.seq_logprob(self.ref_logits)
-        return (lp.exp() * (lp - lr)).sum()
+        return self.pair_kl(theta, self.ref_logits)
 
     def kl_ref_pi(self, theta: torch.Tensor) -> torch.Tensor:
         """KL(pi_ref || pi) over whole sequences."""
-        lp, lr = self.seq_logprob(theta), self.seq_logprob(self.ref_logits)
-        return (lr.exp() * (lr - lp)).sum()
+        return self.pair_kl(self.ref_logits, theta)
 
     def reach(self, theta: torch.Tensor) -> torch.Tensor:
-        """[P] probability under pi that a sampled response passes through each prefix."""
-        probs = torch.softmax(theta, -1)
-        out = torch.ones(self.P, dtype=theta.dtype)
-        for i in range(1, self.P):  # prefixes are ordered by length, so parents come first
-            out[i] = out[self.parent[i]] * probs[self.parent[i], self.last[i]]
-        return out
+        """[P] probability under pi that a sampled response passes through each prefix (differentiable)."""
+        probs = torch.softmax(theta, -1)[self.path_rows, self.path_tokens]  # [P, T]: each step of the prefix
+        return torch.where(self.path_mask, probs, torch.ones((), dtype=probs.dtype)).prod(-1)
 
-    def token_kls(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[P] per-prefix KL(pi(.|p) || pi_ref(.|p)) and KL(pi_ref(.|p) || pi(.|p))."""
-        lp, lr = torch.log_softmax(theta, -1), torch.log_softmax(self.ref_logits, -1)
-        return (lp.exp() * (lp - lr)).sum(-1), (lr.exp() * (lr - lp)).sum(-1)
+    def pair_kl(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Sequence-level KL(p || q) of two logit tables [P, K], by the chain rule sum_prefix reach_p * KL(.|prefix):
+        finite where tokens are cut from both (their probability is exactly 0 and their log-ratio finite)."""
+        return (self.reach(p) * _token_kl(p, q)).sum()
 
     def partial_kl_pi_ref(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
         """sum_p sg(reach(p)) KL(pi(.|p) || pi_ref(.|p)): its gradient is the token-level partial one.
         Prefixes are drawn from pi, or from the behaviour table [P, K] if given (the "@old" partial)."""
-        reach = self.reach(theta if behaviour is None else behaviour).detach()
-        return (reach * self.token_kls(theta)[0]).sum()
+        return self._partial(theta, self.ref_logits, behaviour, 0)
 
     def partial_kl_ref_pi(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
         """sum_p sg(reach(p)) KL(pi_ref(.|p) || pi(.|p)), prefixes drawn from pi (or behaviour), held fixed."""
-        reach = self.reach(theta if behaviour is None else behaviour).detach()
-        return (reach * self.token_kls(theta)[1]).sum()
+        return self._partial(theta, self.ref_logits, behaviour, 1)
 
-    def exact_gradients(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def exact_gradients(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None,
+                        sampling: Sampling | None = None, target: str = "sampler") -> dict[str, torch.Tensor]:
         """The candidate expected gradients [P, K] that the audit compares against. With a behaviour table
-        (samples from pi_old), also the partial gradients whose prefixes come from pi_old ("...@old")."""
+        (samples from pi_old), also the partial gradients whose prefixes come from pi_old ("...@old").
+        With a sampling, the candidates of the target's pair instead (target_gradients)."""
+        if sampling is not None:
+            _no_behaviour(behaviour)
+            return self.target_gradients(theta, sampling, target)
         fns = [("kl_pi_ref", self.kl_pi_ref), ("kl_ref_pi", self.kl_ref_pi),
                ("partial_kl_pi_ref", self.partial_kl_pi_ref), ("partial_kl_ref_pi", self.partial_kl_ref_pi)]
         if behaviour is not None:
             old = behaviour.detach()
             fns += [("partial_kl_pi_ref@old", lambda t: self.partial_kl_pi_ref(t, old)),
                     ("partial_kl_ref_pi@old", lambda t: self.partial_kl_ref_pi(t, old))]
-        out = {}
-        for name, fn in fns:
-            t = theta.detach().clone().requires_grad_()
-            out[name] = torch.autograd.grad(fn(t), t)[0]
-        out["zero"] = torch.zeros_like(theta)
-        return out
+        return _gradients(fns, theta)
+
+    # ---- sampling from pi_s, and the KL targets (klbench.estimators.sampling) ----
+
+    def sampler_table(self, theta: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        """[P, K] the logits pi_s draws from: every prefix's row processed as generate() processes logits
+        (-inf on cut tokens). Detached: the sampler is where samples come from, not a term of a loss."""
+        return sampling.process(theta.detach())
+
+    def target_tables(self, theta: torch.Tensor, sampling: Sampling, target: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two logit tables [P, K] that the target's KL compares (target_pair, row by row), differentiable in
+        theta; cut tokens carry sampling.excluded's finite minimum. target=model: (theta, pi_ref)."""
+        return target_pair(theta, self.ref_logits, sampling, target)
+
+    def target_kl(self, theta: torch.Tensor, sampling: Sampling, target: str) -> torch.Tensor:
+        """The exact KL the target regularises: KL(pi_s || pi_ref,s), KL(pi || pi_ref), KL(pi_T || pi_ref,T) or
+        KL(pi_T || pi_ref) over whole sequences."""
+        return self.pair_kl(*self.target_tables(theta, sampling, target))
+
+    def target_gradients(self, theta: torch.Tensor, sampling: Sampling, target: str) -> dict[str, torch.Tensor]:
+        """exact_gradients for the target's pair (p, q) = target_tables(theta): kl_pi_ref = grad KL(p || q),
+        kl_ref_pi = grad KL(q || p), the partials with prefixes drawn from p (held fixed) and, where the samples
+        do not come from p (target=model at T != 1, tempered targets under truncation), "@old": the partials with
+        prefixes drawn from the sampler pi_s. The truncation set is held fixed (piecewise constant in theta)."""
+        sampler = self.sampler_table(theta, sampling)
+        pair = lambda t: self.target_tables(t, sampling, target)  # noqa: E731
+        fns = [("kl_pi_ref", lambda t: self.pair_kl(*pair(t))),
+               ("kl_ref_pi", lambda t: self.pair_kl(*pair(t)[::-1]))]
+        starts = [("", None)]
+        if not torch.allclose(torch.softmax(pair(theta.detach())[0], -1), torch.softmax(sampler, -1), rtol=0,
+                              atol=1e-12):
+            starts.append(("@old", sampler))
+        for suffix, src in starts:
+            fns += [(f"partial_kl_pi_ref{suffix}", lambda t, s=src: self._partial(*pair(t), s, 0)),
+                    (f"partial_kl_ref_pi{suffix}", lambda t, s=src: self._partial(*pair(t), s, 1))]
+        return _gradients(fns, theta)
+
+    def _partial(self, p: torch.Tensor, q: torch.Tensor, src: torch.Tensor | None, direction: int) -> torch.Tensor:
+        """sum_prefix sg(reach(prefix)) KL(p || q) (direction 0) or KL(q || p) (1) at that prefix; prefixes
+        drawn from p, or from the table src."""
+        reach = self.reach((p if src is None else src).detach()).detach()
+        return (reach * (_token_kl(p, q) if direction == 0 else _token_kl(q, p))).sum()
 
     # ---- estimators evaluated on every sequence (or every n-tuple of one prompt) ----
 
     def batch(self, tables: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor | None = None,
-              group: torch.Tensor | None = None, behaviour: torch.Tensor | None = None) -> KLBatch:
+              group: torch.Tensor | None = None, behaviour: torch.Tensor | None = None,
+              sampling: Sampling | None = None, target: str = "sampler") -> KLBatch:
         """KLBatch for sequences `rows` [B]; row b reads policy table `tables[owner[b]]` ([M, P, K] tables).
-        With a behaviour table [P, K] the batch carries old_logp, the log-probs under pi_old."""
+        With a behaviour table [P, K] the batch carries old_logp, the log-probs under pi_old. With a sampling,
+        the batch of the KL target, built by klbench.estimators.sampling.target_batch as LM runs build theirs."""
         if tables.dim() == 2:
             tables, owner = tables.unsqueeze(0), torch.zeros_like(rows)
         pre = self.seq_prefix[rows]  # [B, T]
         logits = tables[owner.unsqueeze(-1), pre]  # [B, T, K]
         ref_logits = self.ref_logits[pre]  # [B, T, K]
+        if sampling is not None:
+            _no_behaviour(behaviour)
+            # the exact per-position KL in one block: [B, T, K] is small here (see TabularPolicy.score)
+            return target_batch(logits, ref_logits, self.tokens[rows], self.mask[rows], sampling, target,
+                                group=group, chunk_rows=max(1, rows.numel() * self.T))
         tok = self.tokens[rows].unsqueeze(-1)  # [B, T, 1]
         logp = torch.log_softmax(logits, -1).gather(-1, tok).squeeze(-1)
         ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, tok).squeeze(-1)
@@ -131,41 +189,55 @@ class TabularModel:
             old_logp = torch.log_softmax(behaviour.detach()[pre], -1).gather(-1, tok).squeeze(-1)  # [B, T]
         return KLBatch(logp, ref_logp, self.mask[rows], logits, ref_logits, group=group, old_logp=old_logp)
 
-    def _tuples(self, theta: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All n-tuples of sequences [M, n] with their probabilities [M] under the sampling table theta."""
+    def sample_probs(self, theta: torch.Tensor, behaviour: torch.Tensor | None = None,
+                     sampling: Sampling | None = None) -> torch.Tensor:
+        """[N] the probability that one sample is each sequence: under pi, the behaviour table, or pi_s."""
+        if sampling is not None:
+            _no_behaviour(behaviour)
+            return self.seq_prob(self.sampler_table(theta, sampling))
+        return self.seq_logprob((theta if behaviour is None else behaviour).detach()).exp()
+
+    def _tuples(self, p: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All n-tuples of sequences [M, n] with probability > 0 under the sequence probabilities p [N], and
+        those probabilities [M] (a truncated sampler never draws the others: they are left out, not scored)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if self.N ** n > 2_000_000:
             raise ValueError(f"{self.N}^{n} tuples is too many to enumerate; use a smaller K, T or n")
-        p = self.seq_logprob(theta.detach()).exp()  # [N]
         idx = torch.cartesian_prod(*[torch.arange(self.N)] * n).reshape(-1, n)  # [M, n]
-        return idx, p[idx].prod(-1)
+        w = p.detach()[idx].prod(-1)  # [M]
+        live = w > 0
+        return idx[live], w[live]
 
     def gradient_moments(self, surrogate: Surrogate, theta: torch.Tensor, n: int = 1,
-                         behaviour: torch.Tensor | None = None) -> "Moments":
+                         behaviour: torch.Tensor | None = None, sampling: Sampling | None = None,
+                         target: str = "sampler") -> "Moments":
         """Exact mean [P, K] and trace of covariance of the gradient sample grad (1/n) sum_i L_i, where the
         n samples of one prompt are drawn i.i.d. from pi, or from the behaviour table pi_old [P, K] if given
-        (the batch then carries old_logp). Per-tuple gradients come from one backward pass through
-        per-tuple copies of theta."""
-        idx, w = self._tuples(theta if behaviour is None else behaviour, n)
+        (the batch then carries old_logp), or from pi_s if a sampling is given (the batch is then the target's,
+        target_batch). Per-tuple gradients come from one backward pass through per-tuple copies of theta."""
+        idx, w = self._tuples(self.sample_probs(theta, behaviour, sampling), n)
         M = idx.shape[0]
         copies = theta.detach().expand(M, -1, -1).clone().requires_grad_()  # [M, P, K]
         owner = torch.arange(M).repeat_interleave(n)  # [M * n]
-        surr = _as_tensor(surrogate(self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour)),
-                          M * n)
+        batch = self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour, sampling=sampling,
+                           target=target)
+        surr = _as_tensor(surrogate(batch), M * n)
         g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
         mean = (w.unsqueeze(-1) * g).sum(0)
         trace = (w * (g ** 2).sum(-1)).sum() - (mean ** 2).sum()
         return Moments(mean.reshape(theta.shape), float(trace))
 
     def value_moments(self, value_fn: Surrogate, theta: torch.Tensor, n: int = 1,
-                      behaviour: torch.Tensor | None = None) -> "Moments":
+                      behaviour: torch.Tensor | None = None, sampling: Sampling | None = None,
+                      target: str = "sampler") -> "Moments":
         """Exact mean and variance of the batch-mean estimate (1/n) sum_i v_i over n i.i.d. samples
-        (from pi, or from the behaviour table if given)."""
-        idx, w = self._tuples(theta if behaviour is None else behaviour, n)
+        (from pi, the behaviour table, or pi_s with the target's batch, as in gradient_moments)."""
+        idx, w = self._tuples(self.sample_probs(theta, behaviour, sampling), n)
         owner = torch.arange(idx.shape[0]).repeat_interleave(n)
-        v = _as_tensor(value_fn(self.batch(theta.detach(), idx.reshape(-1), group=owner, behaviour=behaviour)),
-                       idx.numel())
+        batch = self.batch(theta.detach(), idx.reshape(-1), owner, group=owner, behaviour=behaviour,
+                           sampling=sampling, target=target)
+        v = _as_tensor(value_fn(batch), idx.numel())
         est = v.reshape(-1, n).mean(-1)  # [M]
         mean = (w * est).sum()
         return Moments(mean, float((w * (est - mean) ** 2).sum()))
@@ -241,6 +313,28 @@ class Frontier:
         return self.best_reward_at(kl) - reward
 
 
+def _token_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[P] per-row KL(p || q) of two logit tables [P, K]; a token p gives probability exactly 0 adds 0."""
+    lp, lq = torch.log_softmax(p, -1), torch.log_softmax(q, -1)
+    return torch.where(lp.exp() > 0, lp.exp() * (lp - lq), torch.zeros((), dtype=lp.dtype)).sum(-1)
+
+
+def _gradients(fns: list, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: grad_theta fn(theta)} [P, K] each, plus "zero"."""
+    out = {}
+    for name, fn in fns:
+        t = theta.detach().clone().requires_grad_()
+        out[name] = torch.autograd.grad(fn(t), t)[0]
+    out["zero"] = torch.zeros_like(theta)
+    return out
+
+
+def _no_behaviour(behaviour) -> None:
+    if behaviour is not None:
+        raise ValueError("a behaviour table and a sampling together are not supported: the sampling's pi_s is "
+                         "the behaviour policy (target=model) or the sampled policy itself")
+
+
 def _as_tensor(out, size: int) -> torch.Tensor:
     if not isinstance(out, torch.Tensor) or out.shape != (size,):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -271,10 +365,14 @@ class AuditReport:
     rows: list[AuditRow]
     match: str  # a candidate name, "<scale> x <candidate>", or "none of the above"
     off_policy: bool = False  # samples were drawn from a behaviour policy pi_old != pi
+    sampling: str = ""  # the sampling and KL target audited ("" at plain sampling); "@old" is then pi_s
 
     def __str__(self) -> str:
         width = max(20, *(len(r.candidate) for r in self.rows))
-        lines = ["samples from a behaviour policy pi_old != pi (KLBatch.old_logp set)"] if self.off_policy else []
+        lines = [f"samples from pi_s ({self.sampling}); candidates of the target's pair"] if self.sampling else []
+        if self.off_policy:
+            lines.append("samples from a behaviour policy pi_old != pi (KLBatch.old_logp set)" if not self.sampling
+                         else "the samples do not come from the target's policy: \"@old\" = prefixes from pi_s")
         lines.append(f"{'candidate':<{width}} {'cosine':>8} {'rel_error':>10} {'scale':>8}")
         for r in self.rows:
             lines.append(f"{r.candidate:<{width}} {r.cosine:>8.4f} {r.rel_error:>10.2e} {r.scale:>8.4f}")
@@ -313,21 +411,29 @@ def behaviour_tables(instances: list[tuple[TabularModel, torch.Tensor]], behavio
 
 
 def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Tensor]] | None = None,
-          n: int = 1, tol: float = 1e-6, behaviour: Behaviour = None) -> AuditReport:
+          n: int = 1, tol: float = 1e-6, behaviour: Behaviour = None, sampling: Sampling | None = None,
+          target: str = "sampler") -> AuditReport:
     """Report which exact gradient the expectation of `surrogate_fn(batch) -> Tensor[B]` follows.
 
     The loss is evaluated on every sequence (every n-tuple of one prompt if n > 1, with `group` set),
     weighted by its exact probability under pi, so the answer has no sampling noise. With `behaviour`
     (see behaviour_tables; e.g. behaviour=0.5) the samples come from pi_old instead, the batch carries
     old_logp, and the candidates include the partial gradients with prefixes from pi_old ("@old").
+    With `sampling` (and a KL `target`, klbench.estimators.sampling) the samples come from pi_s, the batch is
+    the target's, and the candidates are the target pair's (TabularModel.target_gradients; "@old": prefixes
+    from pi_s where the samples do not come from the target's policy).
     """
     instances = default_instances() if instances is None else instances
     olds = behaviour_tables(instances, behaviour)
-    candidates = CANDIDATES if behaviour is None else CANDIDATES[:4] + OLD_CANDIDATES + ("zero",)
+    exacts = [{k: v.flatten() for k, v in m.exact_gradients(th, behaviour=old, sampling=sampling,
+                                                            target=target).items()}
+              for (m, th), old in zip(instances, olds)]
+    has_old = all(c in e for e in exacts for c in OLD_CANDIDATES)
+    candidates = CANDIDATES if not has_old else CANDIDATES[:4] + OLD_CANDIDATES + ("zero",)
     per = {c: [] for c in candidates}
-    for (model, theta), old in zip(instances, olds):
-        mean = model.gradient_moments(surrogate_fn, theta, n=n, behaviour=old).mean.flatten()
-        exact = {k: v.flatten() for k, v in model.exact_gradients(theta, behaviour=old).items()}
+    for (model, theta), old, exact in zip(instances, olds, exacts):
+        mean = model.gradient_moments(surrogate_fn, theta, n=n, behaviour=old, sampling=sampling,
+                                      target=target).mean.flatten()
         ref_norm = exact["kl_pi_ref"].norm()
         for c in candidates:
             g = exact[c]
@@ -339,7 +445,9 @@ def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Ten
             per[c].append((cos, float((mean - g).norm() / g.norm()), scale))
     rows = [AuditRow(c, sum(v[0] for v in vals) / len(vals), max(v[1] for v in vals),
                      sum(v[2] for v in vals) / len(vals)) for c, vals in per.items()]
-    return AuditReport(rows, _verdict(rows, per, tol), off_policy=behaviour is not None)
+    described = f"{sampling.describe()}, task.kl_target={target}" if sampling is not None else ""
+    return AuditReport(rows, _verdict(rows, per, tol), off_policy=behaviour is not None or has_old,
+                       sampling=described)
 
 
 def _verdict(rows: list[AuditRow], per: dict, tol: float) -> str:

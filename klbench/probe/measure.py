@@ -35,6 +35,7 @@ sketch is the identity (exact). The references are held fixed in the bootstrap; 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import time
@@ -44,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from klbench.estimators import GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, KLBatch, gradient_estimator, value_estimator
+from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.probe.config import ProbeOptions
 from klbench.probe.stats import CountSketch, Welford, bootstrap_weights, fill, ratio
@@ -131,12 +133,20 @@ class ProbeResult:
 # ---- sampling helpers ----
 
 def _sub_rollout(ro, rows: torch.Tensor):
-    """The rows `rows` of a Rollout (the first grad_samples of each prompt)."""
-    from klbench.models.policies import Rollout
-    r = rows.tolist()
-    return Rollout(ro.tokens[rows], ro.attention[rows], ro.prompt_len, ro.mask[rows], ro.group[rows],
-                   [ro.texts[i] for i in r], [ro.prompts[i] for i in r],
-                   None if ro.seq_ids is None else ro.seq_ids[rows])
+    """The rows `rows` of a Rollout (the first grad_samples of each prompt): every per-row field is cut (the
+    sampler's own log-probs too, which target=model scores as the behaviour policy), the rest kept."""
+    n, r = len(ro.group), rows.tolist()
+
+    def pick(v):
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n:
+            return v[rows]
+        return [v[i] for i in r] if isinstance(v, list) and len(v) == n else v
+    return dataclasses.replace(ro, **{f.name: pick(getattr(ro, f.name)) for f in dataclasses.fields(ro)})
+
+
+def sampling_of(policy) -> tuple[Sampling, str]:
+    """The policy's sampling and KL target (klbench.estimators.sampling); plain and `sampler` where it has none."""
+    return getattr(policy, "sampling", None) or Sampling(), getattr(policy, "kl_target", "sampler")
 
 
 def exact_reference(policy) -> dict | None:
@@ -193,6 +203,7 @@ def _run(policy, prompts: list[str], cfg: ProbeOptions, progress: bool, log) -> 
     P, Mx, Mg, R = len(prompts), cfg.samples, cfg.grad_samples, cfg.replicates
     sizes = cfg.sizes
     skipped: dict[str, str] = {}
+    sampling, target = sampling_of(policy)
 
     def vec(g: torch.Tensor) -> torch.Tensor:
         return project(g) if project is not None else g
@@ -228,14 +239,16 @@ def _run(policy, prompts: list[str], cfg: ProbeOptions, progress: bool, log) -> 
         with torch.no_grad():
             batch = policy.score(ro)
             for lab, est in values.items():
-                if lab in BATCH_FITTED:
-                    for M, store in fitted[lab].items():
-                        store[r] = _fitted_chunks(est, batch, P, Mx, M)
-                elif lab not in skipped:
-                    try:
+                if lab in skipped:
+                    continue
+                try:  # an estimator that needs inputs this probe does not give, or refuses off-policy samples
+                    if lab in BATCH_FITTED:
+                        for M, store in fitted[lab].items():
+                            store[r] = _fitted_chunks(est, batch, P, Mx, M)
+                    else:
                         per_sample[lab][r] = est(batch).double().reshape(P, Mx).cpu()
-                    except ValueError as e:  # e.g. an estimator that needs inputs this probe does not give
-                        skipped[lab] = str(e)
+                except ValueError as e:
+                    skipped[lab] = str(e)
         del batch
         gbatch = policy.score(_sub_rollout(ro, grad_rows))
         live = [lab for lab in grads if lab not in skipped]
@@ -269,6 +282,8 @@ def _run(policy, prompts: list[str], cfg: ProbeOptions, progress: bool, log) -> 
             "value_reference": value_ref_how, "kl_reference": float(kl_ref.mean()), "kl_reference_se": kl_ref_se,
             "references": {k: {"how": r.how, "norm": float(r.mean.norm()), "noise_trace": r.noise} for k, r in refs.items()},
             "skipped": skipped, "time_s": time.perf_counter() - t_start, "ref_time_s": t_ref,
+            "sampling": sampling.describe(), "kl_target": target, "target_kl": KL_TARGETS[target],
+            "target_warning": check_target(sampling, target),
             "peak_rss_mb": _peak_rss_mb()}
     if exact is not None:
         meta["kl_ref_pi_exact"] = exact["kl_ref_pi"]
@@ -279,9 +294,16 @@ def _run(policy, prompts: list[str], cfg: ProbeOptions, progress: bool, log) -> 
 
 def _lm_references(policy, prompts, cfg: ProbeOptions, params, vec, dim, progress):
     """rb on pi's samples: the value reference per prompt and the kl_pi_ref gradient; on pi_ref's samples,
-    -grad log pi(y): the kl_ref_pi gradient. Each batch: every prompt, ref_samples samples."""
+    -grad log pi(y): the kl_ref_pi gradient. Each batch: every prompt, ref_samples samples.
+
+    Under a sampling the references are those of the policy's KL target: policy.score builds the target's batch
+    (at target=model rb weights by the prefixes' importance ratios). The kl_ref_pi reference needs samples
+    from the target's reference, which policy.reference() draws only where it is pi_ref sampled as the policy
+    (a temperature alone, target sampler or tempered): elsewhere it is not measured (NaN, said in its `how`)."""
     P, n = len(prompts), cfg.ref_samples
     rb_value, rb_grad = value_estimator("rb"), gradient_estimator("rb")
+    sampling, target = sampling_of(policy)
+    reverse = sampling.is_plain or (target in ("sampler", "tempered") and not sampling.truncates)
     w_pi, w_ref = Welford(dim, policy.device), Welford(dim, policy.device)
     kl = []  # K x [P]
     ref_sampler = policy.reference()  # samples from pi_ref, scored afterwards under pi by policy.score
@@ -294,17 +316,23 @@ def _lm_references(policy, prompts, cfg: ProbeOptions, params, vec, dim, progres
         kl.append(rb_value(batch).double().reshape(P, n).mean(-1).cpu())
         w_pi.update(vec(_flat_grad(rb_grad(batch).mean(), params, retain=False)))
         del batch
-        rbatch = policy.score(ref_sampler.rollout(prompts, n))
-        # KL(pi_ref || pi) = E_{y ~ pi_ref}[log pi_ref(y) - log pi(y)]: its gradient is -E_{y ~ pi_ref}[grad log pi(y)]
-        w_ref.update(vec(_flat_grad(-rbatch.masked_logp.sum(-1).mean(), params, retain=False)))
-        del rbatch
+        if reverse:
+            rbatch = policy.score(ref_sampler.rollout(prompts, n))
+            # KL(pi_ref || pi) = E_{y ~ pi_ref}[log pi_ref(y) - log pi(y)]: its gradient is -E_{y ~ pi_ref}[grad log pi(y)]
+            w_ref.update(vec(_flat_grad(-rbatch.masked_logp.sum(-1).mean(), params, retain=False)))
+            del rbatch
     K = cfg.ref_batches
     kl = torch.stack(kl)  # [K, P]
     kl_se = float(kl.mean(-1).std() / math.sqrt(K)) if K > 1 else float("nan")
+    biased = target != "sampler" and check_target(sampling, target)  # the sampler's own warning is no bias
     # noise of the mean of K batch gradients: tr Cov / K (unknown with K = 1: taken as 0, said in the meta)
     refs = {name: Reference(w.mean.clone(), (w.trace_cov / K) if K > 1 else 0.0,
-                            f"{how} on {K} x {P} x {n} samples")
+                            f"{how} on {K} x {P} x {n} samples" + (" (biased: samples from pi_s)" if biased else ""))
             for name, w, how in (("kl_pi_ref", w_pi, "rb"), ("kl_ref_pi", w_ref, "-grad log pi, y ~ pi_ref"))}
+    if not reverse:  # a zero reference with no resolved norm: cosine and relative error NaN
+        refs["kl_ref_pi"] = Reference(torch.zeros(dim, dtype=torch.float64, device=policy.device), 0.0,
+                                      f"not measured: {sampling.describe()} with task.kl_target={target} has no "
+                                      "sampler of the target's reference")
     return refs, kl.mean(0), kl_se
 
 
@@ -315,7 +343,8 @@ def _fitted_chunks(est, batch: KLBatch, P: int, Mx: int, M: int) -> torch.Tensor
     for p in range(P):
         for c in range(C):
             rows = slice(p * Mx + c * M, p * Mx + (c + 1) * M)
-            sub = KLBatch(batch.logp[rows], batch.ref_logp[rows], batch.mask[rows])
+            old = None if batch.old_logp is None else batch.old_logp[rows]  # a batch-fitted estimator refuses it
+            sub = KLBatch(batch.logp[rows], batch.ref_logp[rows], batch.mask[rows], old_logp=old)
             out[p, c] = float(est(sub).double().mean())
     return out
 
@@ -328,7 +357,7 @@ def _value_stats_all(per_sample, fitted, skipped, sizes, Mx, kl_ref, W) -> dict:
             continue
         chunks[lab] = {M: x[..., : (Mx // M) * M].reshape(*x.shape[:2], Mx // M, M).mean(-1) for M in sizes}
     for lab, by_m in fitted.items():
-        if by_m:
+        if by_m and lab not in skipped:
             chunks[lab] = by_m
     return {lab: {M: _value_stats(x, kl_ref, W) for M, x in by_m.items()} for lab, by_m in chunks.items()}
 

@@ -65,7 +65,12 @@ def summary(result: ProbeResult) -> str:
              f"M_max={meta['samples']}, gradient batch {meta['prompts']} x {meta['grad_samples']}, "
              f"{meta['n_params']} parameters ({meta['gradient_space']}); value reference: "
              f"{meta['value_reference']} = {meta['kl_reference']:.4f} nats; "
-             f"{meta['ci_level']:.0%} bootstrap CIs", ""]
+             f"{meta['ci_level']:.0%} bootstrap CIs"]
+    if "kl_target" in meta:  # the KL every row is measured against (klbench.estimators.sampling)
+        lines.append(f"sampling {meta['sampling']}; task.kl_target={meta['kl_target']}: {meta['target_kl']}")
+        if meta.get("target_warning"):
+            lines.append(f"warning: {meta['target_warning']}")
+    lines.append("")
     lines.append(format_table(result.value_rows(), VALUE_SUMMARY_COLUMNS))
     lines.append("")
     lines.append(format_table(result.gradients, GRADIENT_SUMMARY_COLUMNS))
