@@ -10,13 +10,14 @@ smallest set holding top-p of the mass: transformers' warpers, in generate()'s o
 tokens. pi_s is not pi. Every estimator is a statement about y ~ pi for a pair (pi, pi_ref); which pair a run
 compares is its KL target, named explicitly:
 
-  sampler          KL(pi_s || pi_ref,s): both scored as sampled. pi_s as above; pi_ref,s is pi_ref at the same
-                   temperature restricted to the tokens pi_s keeps (renormalised there), so that the KL is
-                   finite under truncation. y ~ pi_s exactly: every estimator keeps its T = 1 claims with
-                   (pi_s, pi_ref,s) in place of (pi, pi_ref). The truncation set is held fixed in the gradient
-                   (it is piecewise constant in the logits). Under truncation this KL is blind to the reference
-                   mass the sampler cuts (KL(pi_s || pi_ref,T) + E[sum_t log Z_t], Z_t the reference's kept
-                   mass): one token kept per step pays nothing; check_target warns (docs/sampling.md).
+  sampler          KL(pi_s || pi_ref,T): the sampler's own distribution against the reference at the same
+                   temperature over the whole vocabulary (finite: pi_ref,T covers whatever pi_s keeps). y ~ pi_s
+                   exactly, so mc, rb and every gradient built on k1 (seq, cumulative, loo, rb, token's partial)
+                   keep their T = 1 claims with (pi_s, pi_ref,T) in place of (pi, pi_ref). Under truncation k3
+                   (cv, naive_cv, value=k3 placements) is biased by E_{pi_s}[sum_t (Z_t - 1)], Z_t the reference
+                   mass on the kept tokens: check_target warns. The truncation set is held fixed in the gradient
+                   (it is piecewise constant in the logits). A reference restricted to the kept set instead would
+                   charge nothing for a policy that keeps one token per step (docs/sampling.md).
   model            KL(pi || pi_ref) of the untempered models; y ~ pi_s is a behaviour policy, so the batch
                    carries old_logp = log pi_s(y) and only the off-policy estimators (KLBatch.old_logp) serve.
                    Exact for a temperature alone (pi_s covers pi). Under truncation pi_s does not cover pi and
@@ -40,7 +41,7 @@ import torch
 from klbench.estimators.batch import KLBatch
 
 KL_TARGETS = {
-    "sampler": "KL(pi_s || pi_ref,s): policy and reference scored as sampled (temperature and truncation)",
+    "sampler": "KL(pi_s || pi_ref,T): the sampler's distribution against the reference at its temperature",
     "model": "KL(pi || pi_ref) of the untempered models, pi_s a behaviour policy (importance weights)",
     "tempered": "KL(pi_T || pi_ref,T): both divided by the temperature, full vocabulary (TRL, verl)",
     "tempered_vs_raw": "KL(pi_T || pi_ref): the tempered policy against the raw reference (tinker-cookbook #689)",
@@ -109,8 +110,8 @@ class Sampling:
 
 def check_target(sampling: Sampling, target: str) -> str | None:
     """ValueError for a target that cannot be estimated at all under this sampling; else a one-line warning where
-    the target does not measure what a user would read into it here (None otherwise): every estimator biased
-    (tempered targets under truncation), or, for `sampler` under truncation, a KL blind to the cut mass."""
+    estimators are biased for it here (None otherwise): every estimator (tempered targets under truncation), or
+    those built on k3 (`sampler` under truncation)."""
     if target not in KL_TARGETS:
         raise ValueError(f"task.kl_target={target!r} is unknown; valid: {', '.join(KL_TARGETS)}")
     if target == "model" and sampling.truncates:
@@ -118,10 +119,9 @@ def check_target(sampling: Sampling, target: str) -> str | None:
                          "the tokens it cuts, so no importance weight recovers KL(pi || pi_ref); use "
                          "task.kl_target=sampler, or sample without truncation (task.top_k=0 task.top_p=1)")
     if target == "sampler" and sampling.truncates:
-        return (f"task.kl_target=sampler with {sampling.describe()}: KL(pi_s || pi_ref,s) compares the two models "
-                f"only on the tokens the sampler keeps, so a policy that narrows its kept set pays less, and one "
-                f"token kept per step pays nothing whatever pi_ref gives it: the KL can fall to 0 while the model "
-                f"drifts (docs/sampling.md)")
+        return (f"task.kl_target=sampler with {sampling.describe()}: k3 (value cv, naive_cv, in_reward/in_loss "
+                f"value=k3) is biased here, by the reference mass outside the kept tokens; mc, rb and the k1 "
+                f"gradients (seq, cumulative, loo, rb) stay exact (docs/sampling.md)")
     if target in ("tempered", "tempered_vs_raw") and sampling.truncates:
         return (f"task.kl_target={target} with {sampling.describe()}: the samples come from the truncated "
                 f"sampler, not from the tempered policy this target scores, so every estimator is biased "
@@ -141,10 +141,8 @@ def target_pair(logits: torch.Tensor, ref_logits: torch.Tensor, sampling: Sampli
     if target == "tempered_vs_raw":
         return pol, ref
     ref = ref / t
-    if target == "sampler" and sampling.truncates:
-        cut = ~sampling.keep(logits)  # [..., V] held fixed: the set is piecewise constant in the logits
-        low = excluded(pol.dtype)
-        pol, ref = pol.masked_fill(cut, low), ref.masked_fill(cut, low)
+    if target == "sampler" and sampling.truncates:  # the policy as sampled; the reference keeps its whole vocabulary
+        pol = pol.masked_fill(~sampling.keep(logits), excluded(pol.dtype))  # the cut held fixed: piecewise constant
     return pol, ref
 
 
