@@ -175,7 +175,7 @@ class RLTask(pl.LightningModule):
             # rb needs y ~ pi, so the KL is measured on a second draw from pi itself (the same stream, after)
             target = self.policy.on_target()
             ro_kl = ro if target is self.policy else target.rollout(prompts, self.cfg["val_samples"])
-        batch = self.policy.score(ro_kl)
+        batch = target.score(ro_kl)  # the view scores its own draws: y ~ pi, an on-policy batch of the target
         reward = self.rewards(ro)
         seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
         for text, prompt, r, k, n, nk in zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
