@@ -165,7 +165,7 @@ def other_sharp_dir(tiny_lm_dir, tmp_path_factory):
     ("task.kl_target=model task.temperature=0.7 kl_ctl=adaptive", ["kl_ctl=adaptive", "task.kl_target=model"]),
     ("task=probe task.kl_target=model task.temperature=0.7", ["task=probe", "task.kl_target=model"]),
     ("task.kl_target=model task.temperature=0.7 task.probe_every=40", ["task.probe_every=40", "task.kl_target"]),
-    ("experiment=distill model@teacher=hf teacher.name_or_path=x teacher.generation_config=follow",
+    ("task=distill model@teacher=hf teacher.name_or_path=x teacher.generation_config=follow",
      ["teacher.generation_config=follow", "model.generation_config"]),
     ("model=hf model.name_or_path=x model.generation_config=yes", ["model.generation_config", "follow"]),
 ])
