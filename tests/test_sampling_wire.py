@@ -257,3 +257,39 @@ def test_model_target_run_trains_off_policy(tmp_path, tiny_lm_dir, other_sharp_d
                                  "task.kl_target=model", f"model.ref_name_or_path={other_sharp_dir}", "logger=none"])
     out = run(cfg)
     assert math.isfinite(out["val/seq_kl"]) and out["val/seq_kl"] > 0
+
+
+def test_distill_and_probe_sample_pi_s(tmp_path, tiny_lm_dir, other_sharp_dir):
+    """task=distill trains at T = 0.7 with top-k; task=probe measures the pair as sampled: its reference KL at
+    T = 0.5, top-k 5 is not the plain pair's (the probe's rollouts and scoring follow task.*)."""
+    from klbench.tasks.train import run
+    lm = ["model=hf", f"model.name_or_path={tiny_lm_dir}", "task.max_new_tokens=6", "logger=none"]
+    out = run(compose_cfg(tmp_path / "d", lm + ["task=distill", "reward=none", "estimator.beta=1",
+                                                "model@teacher=hf", f"teacher.name_or_path={other_sharp_dir}",
+                                                "task.max_steps=2", "task.val_every=2", "task.prompts_per_step=2",
+                                                "task.val_prompts=2", "task.temperature=0.7", "task.top_k=20"]))
+    assert math.isfinite(out["val/seq_kl"]) and out["val/seq_kl"] > 0
+    probe = lm + ["task=probe", f"model.ref_name_or_path={other_sharp_dir}", "reward=none", "task.prompts=2",
+                  "task.samples=4", "task.grad_samples=4", "task.replicates=4", "task.ref_batches=2",
+                  "task.ref_samples=4", "task.bootstrap=20", "task.gradient_estimators=[rb]"]
+    plain = run(compose_cfg(tmp_path / "p", probe))["kl_reference"]
+    tempered = run(compose_cfg(tmp_path / "t", probe + ["task.temperature=0.5", "task.top_k=5"]))["kl_reference"]
+    assert plain > 0 and tempered > 0 and abs(plain - tempered) > 0.05 * plain
+
+
+def test_tabular_refuses_sampling_it_does_not_do(tmp_path):
+    """Until the tabular model samples pi_s (klbench/exact/tabular.py), task.* sampling on it is refused, not
+    ignored."""
+    cfg = compose_cfg(tmp_path, ["experiment=tabular"])
+    with pytest.raises(ConfigError, match="model=tabular samples pi itself"):
+        build_policy(cfg.model, 1, sampling=Sampling(0.7))
+
+
+def test_a_biased_target_is_said_when_built(tmp_path, tiny_lm_dir, capsys):
+    """kl_target=tempered under top-p: every estimator is biased there; the run says so in one line."""
+    cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tiny_lm_dir}"])
+    build_policy(cfg.model, 8, sampling=Sampling(0.7, 0, 0.9), kl_target="tempered")
+    warned = [l for l in capsys.readouterr().out.splitlines() if "warning" in l]
+    assert len(warned) == 1 and "task.kl_target=tempered" in warned[0] and "biased" in warned[0]
+    build_policy(cfg.model, 8, sampling=Sampling(0.7), kl_target="tempered")  # no cut: tempered is sampler's pair
+    assert "warning" not in capsys.readouterr().out
