@@ -293,3 +293,21 @@ def test_a_biased_target_is_said_when_built(tmp_path, tiny_lm_dir, capsys):
     assert len(warned) == 1 and "task.kl_target=tempered" in warned[0] and "biased" in warned[0]
     build_policy(cfg.model, 8, sampling=Sampling(0.7), kl_target="tempered")  # no cut: tempered is sampler's pair
     assert "warning" not in capsys.readouterr().out
+
+
+def test_followed_sampling_is_checked_against_the_estimator(tmp_path, llama_dir):
+    """model.generation_config=follow at the folder's temperature 0.7 with kl_target=model: the rule the schema
+    applies to task.temperature applies to the folder's value too (estimator=seq assumes y ~ pi)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from klbench.tasks.train import run
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(llama_dir, local_files_only=True)
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, eos_token_id=tok.eos_token_id)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tmp_path / 'm'}", "model.generation_config=follow",
+                                 "task.kl_target=model", "estimator=seq", "logger=none"])
+    with pytest.raises(ConfigError) as e:
+        run(cfg)
+    assert "model.generation_config=follow" in str(e.value) and "estimator seq" in str(e.value)

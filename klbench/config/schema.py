@@ -502,6 +502,21 @@ def _check_sampling(t: SamplingFields, e: BaseModel | None, ctl: str | None) -> 
                           "kl_ctl=fixed or task.kl_target=sampler")
 
 
+def check_followed_sampling(cfg: DictConfig, temperature: float, top_k: int, top_p: float) -> None:
+    """The task's sampling rules again for the sampling a model's generation_config chose instead of task.*'s
+    (model.generation_config=follow: known once the model is loaded)."""
+    task = cfg.task
+    t = SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, kl_target=task.get("kl_target", "sampler"),
+                        probe_every=task.get("probe_every"))
+    training = task.name != "probe"
+    try:
+        _check_sampling(t, _check_group(cfg, "estimator") if training else None,
+                        OmegaConf.select(cfg, "kl_ctl.name") if training else None)
+    except ConfigError as e:
+        raise ConfigError(f"model.generation_config=follow samples with the folder's temperature={temperature:g}, "
+                          f"top_k={top_k}, top_p={top_p:g}: {e}") from None
+
+
 def _check_tabular_pair(cfg: DictConfig, teacher: str | None) -> None:
     """A tabular model's EOS is one of its tokens, and a tabular teacher shares the student's vocabulary."""
     for who in ("model", "teacher"):
