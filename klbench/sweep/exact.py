@@ -16,11 +16,13 @@ def exact_frontier(config: DictConfig):
     if model.kind != "tabular" or reward.kind != "tabular":
         return None
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}  # absent when composed without hydra
-    swept = [k for k in params if k.split(".")[0] in ("model", "reward")]
+    swept = [k for k in params if k.split(".")[0] in ("model", "reward")
+             or k in ("task.temperature", "task.top_k", "task.top_p", "task.kl_target")]
     if swept:
         log.info("no exact frontier: the sweep changes %s, so trials do not share one", swept)
         return None
-    from klbench.models.policies import build_policy
+    from klbench.models.policies import build_policy, task_sampling
     from klbench.models.rewards import build_reward
-    policy = build_policy(model, max_new_tokens=1)  # tabular: nothing is read from disk
+    sampling, target = task_sampling(config.task)  # the trials' sampling: the frontier is that of their target
+    policy = build_policy(model, max_new_tokens=1, sampling=sampling, kl_target=target)  # tabular: no disk
     return policy.exact_frontier(build_reward(reward, policy))
