@@ -237,7 +237,7 @@ def test_tempered_top_p_run_on_llama_says_its_target(tmp_path, instruct_dir, cap
                                  "task.top_p=0.9"])
     out = run(cfg)
     printed = capsys.readouterr().out
-    assert printed.count("KL target sampler: KL(pi_s || pi_ref,s)") == 2, printed  # start and end block
+    assert printed.count("KL target sampler: KL(pi_s || pi_ref,T)") == 2, printed  # start and end block
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
     (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
     p = r.data.params

@@ -135,7 +135,7 @@ class TabularModel:
         return target_pair(theta, self.ref_logits, sampling, target)
 
     def target_kl(self, theta: torch.Tensor, sampling: Sampling, target: str) -> torch.Tensor:
-        """The exact KL the target regularises: KL(pi_s || pi_ref,s), KL(pi || pi_ref), KL(pi_T || pi_ref,T) or
+        """The exact KL the target regularises: KL(pi_s || pi_ref,T), KL(pi || pi_ref), KL(pi_T || pi_ref,T) or
         KL(pi_T || pi_ref) over whole sequences."""
         return self.pair_kl(*self.target_tables(theta, sampling, target))
 

@@ -308,7 +308,7 @@ class TabularPolicy(Policy):
         a temperature alone with target sampler or tempered (the frontier of the tempered reference pi_ref,T,
         since pi_T ranges over every table) or tempered_vs_raw (that of pi_ref itself). None for target=model at
         T != 1 (the reward is earned by pi_T, the KL paid by pi) and under truncation (pi_s ranges over tables
-        with cut tokens, and pi_ref,s moves with the cut)."""
+        with cut tokens, whose optimum has no closed form)."""
         if not isinstance(reward, TabularReward):  # no reward, or one that cannot be enumerated
             return None
         s, m = self.sampling, self.table
