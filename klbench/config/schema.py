@@ -25,7 +25,7 @@ from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and i
 from klbench.config.explain import explain
 from klbench.estimators.options import (REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
                                         InRewardOptions, LibraryOptions, Options)
-from klbench.models import DTYPES
+from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
 from klbench.models.prompts_jsonl import read_prompts
 from klbench.probe.config import ProbeOptions
 
@@ -193,6 +193,8 @@ class ModelHF(Options):
     name_or_path: Str
     ref_name_or_path: Str
     dtype: DType
+    trust_remote_code: bool = False  # run the folder's own modelling code (klbench.models.hf.load_causal_lm)
+    attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # null: the model's default (SDPA)
 
 
 class ModelTabular(Options):

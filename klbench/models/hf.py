@@ -1,6 +1,7 @@
 """Causal LMs from the Hugging Face hub or a local save_pretrained folder, one code path for both.
 
-    load_causal_lm(name_or_path, dtype="float32") -> (model, tokenizer)
+    load_causal_lm(name_or_path, dtype="float32", trust_remote_code=False, attn_implementation=None,
+                   setting="model") -> (model, tokenizer)
     check_same_vocab(tok_a, tok_b, what_a="policy", what_b="reference")
     context_length(config) -> ("n_positions", 1024): the positions prompt and response share
 
@@ -14,8 +15,9 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from klbench.config.errors import ConfigError
 from klbench.console import messages as console
-from klbench.models import DTYPES
+from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
 
 
 # the config attributes that name a causal LM's context (positions for prompt and response together)
@@ -67,7 +69,7 @@ def resolve_pretrained(name_or_path: str, what: str = "model") -> tuple[str, dic
     return name_or_path, ({"local_files_only": True} if hub_offline() else {})
 
 
-def _from_pretrained(loader, name_or_path: str, what: str, **kwargs):
+def _from_pretrained(loader, name_or_path: str, what: str, setting: str = "model", **kwargs):
     name, extra = resolve_pretrained(name_or_path, what)
     console.quiet_transformers()  # its "Loading weights" bar, at default verbosity
     try:
@@ -76,16 +78,43 @@ def _from_pretrained(loader, name_or_path: str, what: str, **kwargs):
         where = ("not in the local Hugging Face cache and HF_HUB_OFFLINE=1" if extra and not os.path.isdir(name)
                  else "could not be loaded")
         raise FileNotFoundError(f"{what}: {name_or_path!r} {where}: {e}") from e
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        # transformers' own text asks for a Python argument (or prompts on a terminal): name the setting instead
+        raise ConfigError(f"{setting}.trust_remote_code=false, but {name_or_path!r} ships its own Python code "
+                          f"(auto_map in its config): set {setting}.trust_remote_code=true to run that code, "
+                          "after reading it") from None
 
 
-def load_causal_lm(name_or_path: str, dtype: str = "float32"):
-    """(AutoModelForCausalLM, AutoTokenizer) from a hub id or a local directory; eval mode, left padding."""
+def load_causal_lm(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False,
+                   attn_implementation: str | None = None, setting: str = "model"):
+    """(AutoModelForCausalLM, AutoTokenizer) from a hub id or a local directory; eval mode, left padding.
+
+    trust_remote_code: run the folder's own modelling code (transformers refuses it otherwise).
+    attn_implementation: one of ATTN_IMPLEMENTATIONS, or None for the model's default.
+    setting: the config group the options came from ("model" or "teacher"), for the messages.
+    """
     if dtype not in _DTYPES:
         raise ValueError(f"load_causal_lm: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if attn_implementation is not None and attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"{setting}.attn_implementation={attn_implementation} is unknown; valid: null, "
+                          f"{', '.join(ATTN_IMPLEMENTATIONS)}")
     resolve_pretrained(name_or_path, "load_causal_lm")  # a missing path fails here, before any loading
-    tok = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, "load_causal_lm (tokenizer)")
-    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, "load_causal_lm (model)",
-                             dtype=_DTYPES[dtype])
+    remote = {"trust_remote_code": bool(trust_remote_code)}  # explicit: never transformers' terminal prompt
+    tok = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, "load_causal_lm (tokenizer)", setting,
+                           **remote)
+    attn = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    try:
+        model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, "load_causal_lm (model)",
+                                 setting, dtype=_DTYPES[dtype], **remote, **attn)
+    except (ImportError, ValueError) as e:
+        if not attn or isinstance(e, ConfigError):
+            raise
+        # the implementation's package is missing, or the architecture does not support it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{setting}.attn_implementation={attn_implementation} cannot load {name_or_path!r}: "
+                          f"{first} (valid: null, {', '.join(ATTN_IMPLEMENTATIONS)})") from None
     if tok.pad_token is None:  # GPT-2 has no pad token; masks must then come from attention_mask, not ids
         if tok.eos_token is None:
             raise ValueError(f"load_causal_lm: tokenizer of {name_or_path!r} has neither a pad nor an eos token")

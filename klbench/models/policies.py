@@ -277,8 +277,9 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     else:
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
-    model, tok = models.load_causal_lm(path, cfg.dtype)
-    ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype)
+    model, tok = models.load_causal_lm(path, cfg.dtype, **_load_options(cfg, "model"))
+    ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype,
+                                         **_load_options(teacher or cfg, "model" if teacher is None else "teacher"))
     models.check_same_vocab(tok, ref_tok, *names)
     for name, where, m in ((names[0], path, model), (names[1], ref_path, ref)):
         context = models.context_length(m.config)
@@ -287,6 +288,13 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
                              f"{where} has {context[0]}={context[1]} positions for the prompt and the response "
                              f"together, so task.max_new_tokens must be < {context[1]}")
     return LMPolicy(model, ref, tok, max_new_tokens)
+
+
+def _load_options(cfg, setting: str) -> dict:
+    """load_causal_lm's options of a `model` config (model.trust_remote_code, model.attn_implementation; the
+    embedded models have neither) and the group they are set in, for its messages."""
+    return {"trust_remote_code": bool(cfg.get("trust_remote_code", False)),
+            "attn_implementation": cfg.get("attn_implementation"), "setting": setting}
 
 
 def _lm_path(cfg, cache_root: str | None) -> str:
