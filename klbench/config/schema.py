@@ -211,24 +211,30 @@ Model = Union[ModelEmbedded, ModelHF, ModelTabular]
 
 # ---- dataset ----
 
-class DatasetEmbedded(Options):
+class DatasetOptions(Options):
+    """What every prompt source shares: instruct models' chat templates (klbench.models.chat)."""
+    chat_template: bool = False  # render each prompt with the tokenizer's chat template
+    system_prompt: Optional[str] = None  # a system turn before each prompt; needs chat_template=true
+
+
+class DatasetEmbedded(DatasetOptions):
     source: Literal["embedded"]
 
 
-class DatasetJsonl(Options):
+class DatasetJsonl(DatasetOptions):
     source: Literal["jsonl"]
     train_path: Str
     val_path: Str
     field: Str
 
 
-class DatasetHF(Options):
+class DatasetHF(DatasetOptions):
     source: Literal["hf"]
     name: Str
     train_split: Str
     val_split: Str
     field: Str
-    prompt_words: PosInt
+    prompt_words: Optional[PosInt]  # null: whole texts (and a messages field)
     max_train: PosInt
     max_val: PosInt
 
@@ -397,7 +403,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"teacher.kind={kind} and model.kind={model}: student and teacher must both be "
                               "tabular or both be language models")
         teacher = _check_group(cfg, "teacher").kind
-    dataset = _check_group(cfg, "dataset").source
+    ds = _check_group(cfg, "dataset")
+    dataset = ds.source
+    _check_chat(ds, model)
     reward = _check_group(cfg, "reward").kind
     _check_group(cfg, "hardware")
     _check_group(cfg, "store")  # before logger: the logger's URIs come from it
@@ -444,6 +452,16 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
         raise ConfigError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={reward})")
     if reward == "tabular" and model != "tabular":
         raise ConfigError(f"reward=tabular needs model=tabular (got model.kind={model})")
+
+
+def _check_chat(ds: SimpleNamespace, model: str) -> None:
+    """A system prompt is a chat turn; the tabular model has no prompts to render."""
+    if ds.system_prompt is not None and not ds.chat_template:
+        raise ConfigError("dataset.system_prompt is set, but dataset.chat_template=false: a system prompt is a turn "
+                          "of the chat template; set dataset.chat_template=true")
+    if ds.chat_template and model == "tabular":
+        raise ConfigError("dataset.chat_template=true does nothing with model=tabular, which ignores prompts: set "
+                          "dataset.chat_template=false")
 
 
 def _check_tabular_pair(cfg: DictConfig, teacher: str | None) -> None:
@@ -543,7 +561,7 @@ def _check_placement(t: TaskRL, e: BaseModel, ctl: str | None) -> None:
 def _check_jsonl(ds: DictConfig, min_train: int) -> None:
     for key in ("train_path", "val_path"):
         try:
-            prompts = read_prompts(ds[key], ds.field)
+            prompts = read_prompts(ds[key], ds.field, bool(ds.get("chat_template", False)))
         except (OSError, ValueError) as e:
             raise ConfigError(f"dataset.{key}: {e}") from None
         if key == "train_path" and len(prompts) < min_train:

@@ -93,6 +93,8 @@ class LMPolicy(Policy):
         self.model, self.ref, self.tok = model, ref_model, tokenizer
         self.ref.requires_grad_(False)
         self.max_new_tokens = max_new_tokens
+        # False for prompts a chat template rendered (klbench.models.chat): they hold their BOS already
+        self.add_special_tokens = True
         if isinstance(sampler, str) and sampler not in SAMPLERS:
             raise ValueError(f"LMPolicy: sampler must be one of {sorted(SAMPLERS)} or a Sampler, got {sampler!r}")
         self.sampler = SAMPLERS[sampler] if isinstance(sampler, str) else sampler
@@ -112,7 +114,8 @@ class LMPolicy(Policy):
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int) -> Rollout:
-        enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
+        enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=self.add_special_tokens)
+        enc = enc.to(self.device)
         if self.context and enc.input_ids.shape[1] + self.max_new_tokens > self.context[1]:
             # past the context GPT-2's position embedding fails with a bare IndexError; prompts from the
             # `dataset` group were checked when loaded (check_prompts), this catches the others (task=probe)
@@ -162,14 +165,16 @@ class LMPolicy(Policy):
         """The longest prompt, tokenized as rollout() does, plus max_new_tokens fits the models' context."""
         if self.context is None or not prompts:
             return
-        lengths = [len(ids) for ids in self.tok(prompts).input_ids]
+        lengths = [len(ids) for ids in self.tok(prompts, add_special_tokens=self.add_special_tokens).input_ids]
         i = max(range(len(lengths)), key=lengths.__getitem__)
         if lengths[i] + self.max_new_tokens > self.context[1]:
             raise ConfigError(f"{source}: " + _too_long(f"its longest prompt (#{i + 1}: {_preview(prompts[i])})",
                                                        lengths[i], self.max_new_tokens, self.context))
 
     def reference(self) -> "LMPolicy":
-        return LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler)
+        ref = LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler)
+        ref.add_special_tokens = self.add_special_tokens  # the same prompts, tokenized alike
+        return ref
 
     @property
     def device(self) -> torch.device:
