@@ -112,7 +112,8 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", trust_remote_code:
         if not attn or isinstance(e, ConfigError):
             raise
         # the implementation's package is missing, or the architecture does not support it
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # its first sentence: the rest suggests Python arguments (attn_implementation="eager"), not settings
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise ConfigError(f"{setting}.attn_implementation={attn_implementation} cannot load {name_or_path!r}: "
                           f"{first} (valid: null, {', '.join(ATTN_IMPLEMENTATIONS)})") from None
     if tok.pad_token is None:  # GPT-2 has no pad token; masks must then come from attention_mask, not ids
