@@ -7,7 +7,7 @@ shapes, and with SDPA different kernels for one query against many keys than for
 This prints, per architecture, dtype and attention implementation, the largest and the mean absolute gap in
 nats per response token.
 
-    python scripts/logp_gap.py [--archs llama,qwen2] [--rows 16] [--new 48] [--seeds 3] [--device cpu]
+    python scripts/logp_gap.py [--archs gpt2,llama,qwen2] [--rows 16] [--new 48] [--seeds 3] [--device cpu]
 """
 from __future__ import annotations
 
@@ -43,9 +43,22 @@ def gap(path: str, dtype: str, attn: str, rows: int, new: int, seeds: int, devic
     return float(d.max()), float(d.mean())
 
 
+def save_tiny_gpt2(path: str, tok) -> str:
+    """klbench's GPT-2 (the embedded models' architecture, and the fused decode and scoring passes) at the other
+    models' size, its final layer norm sharpened as save_tiny_arch sharpens their heads."""
+    from klbench.models.embedded.build import build_gpt2
+    model = build_gpt2(len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=128, seed=0, bos_token_id=tok.bos_token_id,
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.mul_(40.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--archs", default=",".join(ARCHITECTURES))
+    ap.add_argument("--archs", default=",".join(["gpt2", *ARCHITECTURES]))
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--seeds", type=int, default=3)
@@ -56,7 +69,8 @@ def main() -> None:
     print(f"| architecture | dtype | attention | max gap (nats) | mean gap (nats) |")
     print("|---|---|---|---|---|")
     for arch in args.archs.split(","):
-        path = save_tiny_arch(arch, os.path.join(root, arch), tokenizer=tok)
+        path = (save_tiny_gpt2(os.path.join(root, arch), tok) if arch == "gpt2" else
+                save_tiny_arch(arch, os.path.join(root, arch), tokenizer=tok))
         for dtype in ("float32", "bfloat16"):
             for attn in ("sdpa", "eager"):
                 try:

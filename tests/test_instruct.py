@@ -186,3 +186,21 @@ def test_a_bad_attn_implementation_is_named(tmp_path, tiny_arch):
     with pytest.raises(ConfigError, match=r"^model\.attn_implementation=flash_attention_2 cannot load .*\(valid: "
                                           r"null, eager, sdpa, flex_attention, flash_attention_2, flash_attention_3\)$"):
         build_policy(cfg.model, 8)
+
+
+def test_bf16_with_sdpa_says_the_log_probs_differ(tiny_arch, caplog):
+    """One line naming the setting that makes the sampler's and the scorer's log-probs agree; none in eager or
+    in float32 (the measured gap: tests/test_architectures.py, docs/instruct.md)."""
+    import logging
+
+    from klbench.models.hf import load_causal_lm
+    path = tiny_arch("llama")[0]
+    with caplog.at_level(logging.WARNING, logger="klbench.models.hf"):
+        load_causal_lm(path, "bfloat16", setting="teacher")
+        assert [r.getMessage() for r in caplog.records] == [
+            "teacher.dtype=bfloat16 with sdpa attention: the sampler's and the scorer's log-probs of a token differ "
+            "(up to 0.14 nats on tiny models, docs/instruct.md); teacher.attn_implementation=eager makes them agree"]
+        caplog.clear()
+        load_causal_lm(path, "bfloat16", attn_implementation="eager")
+        load_causal_lm(path, "float32")
+        assert not caplog.records

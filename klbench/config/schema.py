@@ -186,6 +186,7 @@ class ModelEmbedded(Options):
     preset: Literal["reference", "teacher", "student"]
     spec: EmbeddedSpec
     dtype: DType
+    attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # as ModelHF's
 
 
 class ModelHF(Options):
