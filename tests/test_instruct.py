@@ -204,3 +204,24 @@ def test_bf16_with_sdpa_says_the_log_probs_differ(tiny_arch, caplog):
         load_causal_lm(path, "bfloat16", attn_implementation="eager")
         load_causal_lm(path, "float32")
         assert not caplog.records
+
+
+def test_an_hf_dataset_of_messages(tmp_path, tiny_arch):
+    """A save_to_disk folder whose column holds conversations: rendered whole; dataset.prompt_words (which cuts
+    texts) must be null for it."""
+    datasets = pytest.importorskip("datasets")
+    rows = [[{"role": "user", "content": f"Review film {i}"}] for i in range(4)]
+    datasets.DatasetDict({s: datasets.Dataset.from_dict({"messages": rows}) for s in ("train", "test")}) \
+        .save_to_disk(tmp_path / "chat")
+    base = ["model=hf", f"model.name_or_path={tiny_arch('llama')[0]}", "dataset=hf", f"dataset.name={tmp_path}/chat",
+            "dataset.field=messages", "dataset.chat_template=true"]
+    cfg = compose_cfg(tmp_path, [*base, "dataset.prompt_words=null"])
+    check_config(cfg)
+    policy = build_policy(cfg.model, 8)
+    train, _ = load_prompts(cfg.dataset, policy)
+    assert sorted(train) == sorted(f"<s><|im_start|>user\nReview film {i}<|im_end|>\n<|im_start|>assistant\n"
+                                   for i in range(4))
+    cfg = compose_cfg(tmp_path, base)  # prompt_words=8 from conf/dataset/hf.yaml
+    with pytest.raises(ConfigError, match=r"^dataset\.prompt_words=8 cuts text prompts, but dataset\.field=messages "
+                                          r"holds messages: set dataset\.prompt_words=null$"):
+        load_prompts(cfg.dataset, policy)
