@@ -53,7 +53,7 @@ def _frequent_token(model, tok, ids, attn, new, seed):
     the batch early. Rows are independent (a finished row changes neither the other rows' logits nor their
     draws), so a run that never stops shows where each row first samples each token."""
     torch.manual_seed(seed)
-    free = kv_cache_sample(model, ids, attn, new, eos_id=-1, pad_id=tok.pad_token_id).tokens  # [B, new]
+    free = kv_cache_sample(model, ids, attn, new, eos_ids=-1, pad_id=tok.pad_token_id).tokens  # [B, new]
     first = {}  # token -> [B] its first step in each row (new where absent)
     for t in set(free.flatten().tolist()) - {tok.pad_token_id}:
         hit = free == t

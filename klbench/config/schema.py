@@ -50,7 +50,22 @@ _ProbeFields = create_model("ProbeFields", __base__=Options,
                             **{k: (f.annotation, f) for k, f in ProbeOptions.model_fields.items()})
 
 
-class TaskRL(Options):
+# how rollouts sample and which KL the run regularises: klbench/estimators/sampling.py (Sampling, KL_TARGETS; it
+# imports torch, so the names are repeated here and tests/test_sampling_wire.py checks that they agree)
+KL_TARGET_NAMES = ("sampler", "model", "tempered", "tempered_vs_raw")
+TEMPERATURE = ("a finite number > 0 (temperature 0, greedy decoding, is refused for training: it samples a point "
+               "mass, on which no KL estimator is defined)")
+
+
+class SamplingFields(Options):
+    """task.temperature, top_k, top_p and kl_target: of rl, distill (training and validation) and probe."""
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False), Expect(TEMPERATURE)] = 1.0
+    top_k: Annotated[int, Field(ge=0), Expect("an integer >= 0 (0: no top-k cut)")] = 0
+    top_p: Annotated[float, Field(gt=0, le=1), Expect("a number in (0, 1] (1: no top-p cut)")] = 1.0
+    kl_target: Literal[KL_TARGET_NAMES] = "sampler"
+
+
+class TaskRL(SamplingFields):
     name: Literal["rl"]
     n_samples: PosInt
     prompts_per_step: PosInt
@@ -84,7 +99,7 @@ class TaskPretrain(Options):
     force: bool
 
 
-class TaskProbe(ProbeOptions):
+class TaskProbe(ProbeOptions, SamplingFields):
     name: Literal["probe"]
     max_new_tokens: PosInt
 
@@ -196,6 +211,9 @@ class ModelHF(Options):
     dtype: DType
     trust_remote_code: bool = False  # run the folder's own modelling code (klbench.models.hf.load_causal_lm)
     attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # null: the model's default (SDPA)
+    # the sampling options of the folder's generation_config: klbench's task.temperature/top_k/top_p (the
+    # default, saying so when the folder sets others) or the folder's (klbench.models.policies.build_policy)
+    generation_config: Literal["klbench", "follow"] = "klbench"
 
 
 class ModelTabular(Options):
@@ -412,12 +430,14 @@ def validate(cfg: DictConfig) -> None:
     _check_group(cfg, "store")  # before logger: the logger's URIs come from it
     _check_group(cfg, "logger")
     if task.name == "probe":  # measures the estimators on a policy/reference pair: no training, no reward
+        _check_sampling(task, None, None)
         _check_tabular_pair(cfg, teacher)
         _check_context(cfg)
         if dataset == "jsonl":
             _check_jsonl(cfg.dataset, 1)
         return
     _check_combination(cfg, task, est, model, teacher, reward)
+    _check_sampling(task, est, kl_ctl.name)
     _check_context(cfg)
     _check_probe_every(task)
     _check_kl_ctl(task, kl_ctl)
@@ -463,6 +483,34 @@ def _check_chat(ds: SimpleNamespace, model: str) -> None:
     if ds.chat_template and model == "tabular":
         raise ConfigError("dataset.chat_template=true does nothing with model=tabular, which ignores prompts: set "
                           "dataset.chat_template=false")
+
+
+def plain_sampling(t: SamplingFields) -> bool:
+    return t.temperature == 1 and t.top_k == 0 and t.top_p == 1
+
+
+def _check_sampling(t: SamplingFields, e: BaseModel | None, ctl: str | None) -> None:
+    """The KL target against the sampling (klbench.estimators.sampling.check_target says the same with torch) and,
+    for training, against the estimator: kl_target=model samples from a behaviour policy pi_s."""
+    if t.kl_target != "model" or plain_sampling(t):
+        return
+    if t.top_k > 0 or t.top_p < 1:
+        cut = ", ".join([f"task.top_k={t.top_k}"] * (t.top_k > 0) + [f"task.top_p={t.top_p}"] * (t.top_p < 1))
+        raise ConfigError(f"task.kl_target=model with {cut}: the truncated sampler never draws the tokens it cuts, "
+                          "so no importance weight recovers KL(pi || pi_ref); use task.kl_target=sampler, or sample "
+                          "without truncation (task.top_k=0 task.top_p=1)")
+    if e is None:
+        return
+    if e.name not in OFF_POLICY_ESTIMATORS or (e.name == "in_loss" and e.ratio == "none"):
+        raise ConfigError(f"task.kl_target=model with task.temperature={t.temperature} takes samples from the "
+                          f"tempered sampler pi_s, a behaviour policy, but estimator {e.name}"
+                          + (" with ratio=none" if e.name == "in_loss" else "") + " assumes y ~ pi: use an "
+                          "off-policy estimator (estimator=rb, in_reward, or in_loss with estimator.ratio=token|"
+                          "sequence), or task.kl_target=sampler")
+    if ctl not in (None, "fixed"):
+        raise ConfigError(f"kl_ctl={ctl} with task.kl_target=model and task.temperature={t.temperature} is not "
+                          "supported: the controller's KL signal is a value estimate, which needs y ~ pi; use "
+                          "kl_ctl=fixed or task.kl_target=sampler")
 
 
 def _check_tabular_pair(cfg: DictConfig, teacher: str | None) -> None:

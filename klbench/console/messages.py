@@ -180,6 +180,12 @@ def _any_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def kl_target_line(sampling: str, target: str, meaning: str) -> str:
+    """The run's sampling and KL target in one line (start and end of a run; docs/sampling.md)."""
+    return (f"samples with {sampling}; KL target {target}: {meaning} (the KL term and val/seq_kl; "
+            "task.kl_target, docs/sampling.md)")
+
+
 def print_run_where(cfg, logger) -> None:
     """A run's last lines: its folder, its MLflow run and how to look at it (train.run, task=probe).
     `logger` as klbench.record.tracking.build_logger returns it: a RecordLogger, a CSVLogger, or False.

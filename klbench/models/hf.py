@@ -4,6 +4,7 @@
                    setting="model") -> (model, tokenizer)
     check_same_vocab(tok_a, tok_b, what_a="policy", what_b="reference")
     context_length(config) -> ("n_positions", 1024): the positions prompt and response share
+    generation_defaults(model) -> ([stop ids], {"temperature": 0.7, ...}): what its generation_config sets
 
 The embedded models are folders like any other: klbench.models.embedded builds and caches
 them, and they load here.
@@ -35,6 +36,18 @@ def context_length(config) -> tuple[str, int] | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return key, value
     return None
+
+
+def generation_defaults(model) -> tuple[list[int], dict]:
+    """What a loaded model's generation_config sets for sampling: every id of its eos_token_id (one id or a list;
+    [] when unset) and those of temperature, top_k, top_p it sets (transformers 5 leaves the others None).
+    klbench.models.policies.build_policy says what the run does with them."""
+    g = getattr(model, "generation_config", None)
+    if g is None:
+        return [], {}
+    eos = g.eos_token_id
+    ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+    return ids, {k: getattr(g, k) for k in ("temperature", "top_k", "top_p") if getattr(g, k, None) is not None}
 
 
 # ----------------------------------------------------------------------------- loading (hub id or local path)

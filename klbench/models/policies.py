@@ -2,14 +2,16 @@
 
 LMPolicy wraps any AutoModelForCausalLM pair (policy, frozen reference); TabularPolicy wraps the
 enumerable tabular model so that the same Lightning module runs against exact ground truth.
-Sampling is always plain ancestral sampling at temperature 1 (no top-k/top-p): every estimator
-assumes y ~ pi exactly, and a truncated sampler would bias all of them.
+A policy samples from pi_s (`sampling`: temperature, top-k, top-p; plain pi by default) and scores the KL
+target it holds (`kl_target`, klbench/estimators/sampling.py): which KL the run regularises and measures.
+The reward term always follows the sampler: its REINFORCE log-prob is log pi_s(y) (`sampler_logp`).
 
 What is special about the tabular model lives here, behind the `Policy` interface: the tasks, the
 probe and the sweeps ask a policy for its prompt and its ground truth, never for its type.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -17,11 +19,13 @@ from torch import nn
 
 from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
+from klbench.console import messages as console
+from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target, target_batch, token_logprob
 from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
 from klbench.models import gpt2_decode
 from klbench.models.gpt2_score import gpt2_logits, sdpa_mask
-from klbench.models.rollout import SAMPLERS, Sampler, attention_backends, position_ids_from_mask
+from klbench.models.rollout import PLAIN, SAMPLERS, Sampler, attention_backends, position_ids_from_mask, stop_ids
 
 
 
@@ -30,17 +34,18 @@ class Rollout:
     tokens: torch.Tensor  # [B, P + L] left-padded prompt then response (LM) or [B, T] (tabular)
     attention: torch.Tensor  # [B, P + L] 1 on real prompt tokens and real response tokens
     prompt_len: int  # P
-    mask: torch.Tensor  # [B, L] bool, response tokens up to and including the first EOS
+    mask: torch.Tensor  # [B, L] bool, response tokens up to and including the first stop id
     group: torch.Tensor  # [B] prompt index: the n samples of one prompt share it
     texts: list[str]  # decoded responses
     prompts: list[str]
     seq_ids: torch.Tensor | None = None  # [B] tabular sequence ids
-    sample_logp: torch.Tensor | None = None  # [B, L] log-probs of the sampling logits, where the sampler keeps them
+    sample_logp: torch.Tensor | None = None  # [B, L] the sampler's log pi_s of its tokens, where it keeps them
 
 
-def response_mask(resp: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B, L] True up to and including the first EOS; everything after it is padding."""
-    is_eos = (resp == eos_id).long()
+def response_mask(resp: torch.Tensor, eos_ids) -> torch.Tensor:
+    """[B, L] True up to and including the first stop id (any of `eos_ids`: an id or a list); after it, padding."""
+    stops = torch.tensor(stop_ids(eos_ids), dtype=resp.dtype, device=resp.device)
+    is_eos = torch.isin(resp, stops).long()
     return (is_eos.cumsum(-1) - is_eos) == 0
 
 
@@ -51,14 +56,39 @@ class Policy(nn.Module):
     # a policy that ignores prompts names the one prompt its batches repeat (they only set the batch
     # shape); None: prompts come from the `dataset` group
     fixed_prompt: str | None = None
+    # how rollouts sample (pi_s) and which KL score() builds its batch for (klbench/estimators/sampling.py)
+    sampling: Sampling = PLAIN
+    kl_target: str = "sampler"
 
     def rollout(self, prompts: list[str], n: int) -> Rollout:
-        """n samples y ~ pi per prompt, ancestral at temperature 1."""
+        """n samples y ~ pi_s per prompt (ancestral; pi itself at plain sampling)."""
         raise NotImplementedError
 
     def score(self, ro: Rollout) -> KLBatch:
-        """log pi and log pi_ref (and their logits where the model gives them) of a rollout's responses."""
+        """The KL target's batch of a rollout's responses (klbench.estimators.sampling.target_batch): the log-probs
+        and logits of the two distributions it compares; old_logp = log pi_s for kl_target=model."""
         raise NotImplementedError
+
+    def sampler_logp(self, ro: Rollout, batch: KLBatch) -> torch.Tensor:
+        """[B, T] log pi_s(y), differentiable: the reward term's REINFORCE log-prob (the run maximises the reward
+        of the policy as it samples, E_{y ~ pi_s}[r]), and the scorer's side of train/logp_gap. It is batch.logp
+        itself wherever the target scores pi_s (sampler; tempered targets without truncation)."""
+        s, target = self.sampling, self.kl_target
+        if s.is_plain or target == "sampler" or (target != "model" and not s.truncates):
+            return batch.logp
+        # batch.logits: the raw logits (model) or already divided by T (tempered targets): cut them as pi_s does
+        warp = s if target == "model" else Sampling(top_k=s.top_k, top_p=s.top_p)
+        return token_logprob(warp.process(batch.logits), ro.tokens[:, ro.prompt_len:])
+
+    def on_target(self) -> "Policy":
+        """A view of this policy (the same modules) whose rollouts are y ~ the target's own policy, where the run's
+        are not: kl_target=model samples pi_s, and the value estimators need y ~ pi (validation measures the
+        target's KL on these). The policy itself where its rollouts serve."""
+        if self.kl_target != "model" or self.sampling.is_plain:
+            return self
+        view = copy.copy(self)  # shallow: shares the parameters; only the sampling attribute differs
+        view.sampling = PLAIN
+        return view
 
     def trainable(self) -> list[nn.Parameter]:
         raise NotImplementedError
@@ -86,9 +116,12 @@ class Policy(nn.Module):
 
 
 class LMPolicy(Policy):
-    """sampler: how rollouts are drawn (klbench.models.rollout); the KV-cache loop by default."""
+    """sampler: how rollouts are drawn (klbench.models.rollout); the KV-cache loop by default.
+    sampling, kl_target: pi_s and the KL scored (klbench/estimators/sampling.py); eos_ids: the ids that end a
+    response, every one of them (None: the tokenizer's eos_token_id)."""
 
-    def __init__(self, model, ref_model, tokenizer, max_new_tokens: int, sampler: Sampler | str = "kv_cache"):
+    def __init__(self, model, ref_model, tokenizer, max_new_tokens: int, sampler: Sampler | str = "kv_cache",
+                 sampling: Sampling = PLAIN, kl_target: str = "sampler", eos_ids=None):
         super().__init__()
         self.model, self.ref, self.tok = model, ref_model, tokenizer
         self.ref.requires_grad_(False)
@@ -98,6 +131,9 @@ class LMPolicy(Policy):
         if isinstance(sampler, str) and sampler not in SAMPLERS:
             raise ValueError(f"LMPolicy: sampler must be one of {sorted(SAMPLERS)} or a Sampler, got {sampler!r}")
         self.sampler = SAMPLERS[sampler] if isinstance(sampler, str) else sampler
+        check_target(sampling, kl_target)  # a target no estimator can serve under this sampling: refused here
+        self.sampling, self.kl_target = sampling, kl_target
+        self.eos_ids = stop_ids(tokenizer.eos_token_id if eos_ids is None else eos_ids)
         from klbench.models.hf import context_length  # the models are loaded: transformers is imported already
         # (attribute, positions) of the shorter context of the two: both read prompt + response
         contexts = [c for c in (context_length(model.config), context_length(ref_model.config)) if c]
@@ -124,9 +160,10 @@ class LMPolicy(Policy):
                                        self.max_new_tokens, self.context))
         ids = enc.input_ids.repeat_interleave(n, 0)  # [B*n, P]
         attn = enc.attention_mask.repeat_interleave(n, 0)  # [B*n, P]
-        s = self.sampler(self.model, ids, attn, self.max_new_tokens, self.tok.eos_token_id, self.tok.pad_token_id)
+        s = self.sampler(self.model, ids, attn, self.max_new_tokens, self.eos_ids, self.tok.pad_token_id,
+                         sampling=self.sampling)
         resp = s.tokens  # [B*n, L]
-        mask = response_mask(resp, self.tok.eos_token_id)
+        mask = response_mask(resp, self.eos_ids)
         texts = self.tok.batch_decode(torch.where(mask, resp, self.tok.pad_token_id), skip_special_tokens=True)
         group = torch.arange(len(prompts), device=ids.device).repeat_interleave(n)
         return Rollout(torch.cat([ids, resp], 1), torch.cat([attn, mask.long()], 1), ids.shape[1], mask, group, texts,
@@ -153,10 +190,10 @@ class LMPolicy(Policy):
             logits = self._logits(self.model, ro, pos, mask)  # [B, L, V], differentiable
             with torch.no_grad():
                 ref_logits = self._logits(self.ref, ro, pos, mask)  # [B, L, V]
-        resp = ro.tokens[:, ro.prompt_len:].unsqueeze(-1)  # [B, L, 1]
-        logp = _token_logprob(logits, resp)
-        ref_logp = _token_logprob(ref_logits, resp)
-        return KLBatch(logp, ref_logp, ro.mask, logits, ref_logits, group=ro.group)
+        resp = ro.tokens[:, ro.prompt_len:]  # [B, L]
+        # at plain sampling the logits pass through untouched: the batch of a T = 1 run, as before
+        return target_batch(logits, ref_logits, resp, ro.mask, self.sampling, self.kl_target, group=ro.group,
+                            behaviour_logp=ro.sample_logp)
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -172,7 +209,8 @@ class LMPolicy(Policy):
                                                        lengths[i], self.max_new_tokens, self.context))
 
     def reference(self) -> "LMPolicy":
-        ref = LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler)
+        ref = LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler, self.sampling, self.kl_target,
+                       self.eos_ids)
         ref.add_special_tokens = self.add_special_tokens  # the same prompts, tokenized alike
         return ref
 
@@ -190,12 +228,6 @@ def _too_long(what: str, prompt_tokens: int, max_new_tokens: int, context: tuple
     return (f"{what} has {prompt_tokens} tokens; with task.max_new_tokens={max_new_tokens} a sequence needs "
             f"{prompt_tokens + max_new_tokens} positions, more than the model's context ({key}={n}): keep prompts "
             f"to at most {n - max_new_tokens} tokens or lower task.max_new_tokens")
-
-
-def _token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, L] log softmax(logits)[token] in float32 without keeping a [B, L, V] log_softmax for backward."""
-    logits = logits.float()
-    return logits.gather(-1, tokens).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
 class TabularPolicy(Policy):
@@ -263,18 +295,40 @@ class TabularPolicy(Policy):
         return self.table.exact_gradients(self.theta.detach())
 
 
-def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teacher=None) -> Policy:
+def task_sampling(task) -> tuple[Sampling, str]:
+    """(Sampling, kl_target) of a task config (task.temperature, top_k, top_p, kl_target; absent keys: plain)."""
+    get = task.get
+    return Sampling(float(get("temperature", 1.0)), int(get("top_k", 0)), float(get("top_p", 1.0))), \
+        str(get("kl_target", "sampler"))
+
+
+def sampling_text(policy) -> str:
+    """The line that says how the policy samples and which KL the run targets (start and end of a run)."""
+    return console.kl_target_line(policy.sampling.describe(), policy.kl_target, KL_TARGETS[policy.kl_target])
+
+
+def sampling_params(policy) -> dict[str, str]:
+    """MLflow params of the sampling a run used (task.* are params already; with model.generation_config=follow
+    the folder's values replace them) and the KL it targets."""
+    return {"sampling.used": policy.sampling.describe(), "sampling.kl_target": KL_TARGETS[policy.kl_target]}
+
+
+def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teacher=None, sampling: Sampling = PLAIN,
+                 kl_target: str = "sampler") -> Policy:
     """The `model` group: tabular, the embedded GPT-2 (built once into the per-user cache), or any HF causal LM.
 
     cache_root: the embedded models' cache (paths.cache; None: klbench.models.embedded.cache_dir()).
     With `teacher` (a second `model` config, task=distill) the teacher is pi_ref; otherwise pi_ref is the
     policy's own starting point (model.ref_name_or_path for hf).
+    sampling, kl_target: how the policy samples and which KL it scores (task_sampling(cfg.task)). A language
+    model's generation_config adds its stop ids (every one ends a response) and, with
+    model.generation_config=follow, its sampling options replace `sampling` (one line says which are used).
     """
     if teacher is not None and (cfg.kind == "tabular") != (teacher.kind == "tabular"):
         raise ValueError(f"teacher.kind={teacher.kind} and model.kind={cfg.kind}: student and teacher must both "
                          "be tabular or both be language models")
     if cfg.kind == "tabular":
-        return _tabular_policy(cfg, teacher)
+        return _tabular_policy(cfg, teacher)  # i29math: the tabular model's sampling and target
     from klbench.models import hf as models  # transformers: imported only for a language model
     path = _lm_path(cfg, cache_root)
     if teacher is not None:
@@ -292,12 +346,45 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
             raise ConfigError(f"task.max_new_tokens={max_new_tokens} does not fit the context of the {name}: "
                              f"{where} has {context[0]}={context[1]} positions for the prompt and the response "
                              f"together, so task.max_new_tokens must be < {context[1]}")
-    return LMPolicy(model, ref, tok, max_new_tokens)
+    stops, options = models.generation_defaults(model)
+    eos_ids = list(dict.fromkeys(i for i in (tok.eos_token_id, *stops) if i is not None))  # the tokenizer's first
+    sampling = _generation_sampling(cfg, path, options, sampling)
+    warning = check_target(sampling, kl_target)  # refuses a target no estimator can serve, else may warn
+    if warning:
+        print(f"klbench: warning: {warning}")
+    return LMPolicy(model, ref, tok, max_new_tokens, sampling=sampling, kl_target=kl_target, eos_ids=eos_ids)
+
+
+def _generation_sampling(cfg, path: str, options: dict, sampling: Sampling) -> Sampling:
+    """The sampling a language model runs with, given the temperature/top_k/top_p its generation_config sets
+    (`options`): klbench's (`sampling`, from task.*), saying so where the folder sets others, or the folder's
+    with model.generation_config=follow. Unset options are generate()'s plain values (1, 0, 1)."""
+    follow = cfg.kind == "hf" and cfg.get("generation_config", "klbench") == "follow"
+    if not options:
+        if follow:
+            print(f"klbench: model.generation_config=follow: {path}'s generation_config sets no temperature, top_k "
+                  f"or top_p; sampling with task.*'s {sampling.describe()}")
+        return sampling
+    theirs = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in options.items())
+    if not follow:
+        if any(getattr(sampling, k) != v for k, v in options.items()):
+            print(f"klbench: {path}'s generation_config sets {theirs}; this run samples with klbench's "
+                  f"task.* options ({sampling.describe()}): model.generation_config=follow uses the folder's")
+        return sampling
+    try:
+        used = Sampling(float(options.get("temperature", 1.0)), int(options.get("top_k", 0)),
+                        float(options.get("top_p", 1.0)))
+    except ValueError as e:
+        raise ConfigError(f"model.generation_config=follow: {path}'s generation_config sets {theirs}, which "
+                          f"klbench cannot train with ({e}); use model.generation_config=klbench") from None
+    print(f"klbench: model.generation_config=follow: sampling with {path}'s generation_config ({used.describe()}) "
+          f"instead of task.*'s ({sampling.describe()})")
+    return used
 
 
 def _load_options(cfg, setting: str) -> dict:
     """load_causal_lm's options of a `model` config (model.trust_remote_code, model.attn_implementation; the
-    embedded models have neither) and the group they are set in, for its messages."""
+    embedded models have the second only) and the group they are set in, for its messages."""
     return {"trust_remote_code": bool(cfg.get("trust_remote_code", False)),
             "attn_implementation": cfg.get("attn_implementation"), "setting": setting}
 

@@ -1,18 +1,21 @@
-"""Rollouts of a causal LM: ancestral sampling at temperature 1 over the model's KV cache.
+"""Rollouts of a causal LM: ancestral sampling from pi_s (pi at a temperature, top-k/top-p cut) over its KV cache.
 
-    kv_cache_sample(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id) -> Samples
+    kv_cache_sample(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_id, sampling=Sampling()) -> Samples
     position_ids_from_mask(attention_mask) -> positions of left-padded rows, as generate() counts them
     generate_sample(...) -> Samples            # the same draw through transformers' generate()
     SAMPLERS = {"kv_cache": ..., "generate": ...}
 
-Every estimator assumes y ~ pi exactly, so the sampler is plain: softmax of the float32 logits, one
-torch.multinomial draw per row and step, no top-k/top-p, no logits processors. It draws exactly as
-generate(do_sample=True, top_k=0, top_p=1.0, temperature=1.0) does in transformers 5.x: the same
-logits (left-padded prefill with positions counted from each row's first real token, the mask
-dropped when nothing is padded, logits of the last position only; a plain GPT-2 decodes with
-klbench/models/gpt2_decode.py, the same bits in half the time), and multinomial's own arithmetic on
-the same draws. Under one seed the tokens are identical (tests/test_rollout.py), and the RNG stream
-after a rollout is too, so a run's later steps do not move either.
+The sampler draws from pi_s: the float32 logits through klbench.estimators.sampling.Sampling.process
+(transformers' temperature, top-k and top-p warpers with their arithmetic; nothing at all at the plain
+temperature 1), a softmax, one torch.multinomial draw per row and step, no other logits processor. Which KL
+a run then regularises is its KL target (klbench/estimators/sampling.py, docs/sampling.md). It draws exactly
+as generate(do_sample=True, temperature=T, top_k=k, top_p=p) does in transformers 5.x: the same logits
+(left-padded prefill with positions counted from each row's first real token, the mask dropped when nothing
+is padded, logits of the last position only; a plain GPT-2 decodes with klbench/models/gpt2_decode.py, the
+same bits in half the time), the same warpers, and multinomial's own arithmetic on the same draws. Under one
+seed the tokens are identical (tests/test_rollout.py), and the RNG stream after a rollout is too, so a run's
+later steps do not move either. Every id of `eos_ids` ends a row (instruct models list several: Llama-3.1's
+[128001, 128008, 128009]), as generate(eos_token_id=[...]) does.
 
 Where the time went on CPU (the peer job of docs/running.md, 32 rows x 2,000 tokens): the Exp(1)
 noise behind each multinomial draw was a serial kernel as long as a whole decode step (exp_noise
@@ -20,8 +23,9 @@ draws the same values in a third of the time), and transformers' decode step was
 overhead (gpt2_decode.py).
 
 What generate() does per token that this loop does not: build and run its logits-processor and
-stopping-criteria lists, re-derive its model inputs from a kwargs dict, and honour the model's
-generation_config (whose processors, were any set, would bias every estimator anyway).
+stopping-criteria lists, re-derive its model inputs from a kwargs dict, and honour the rest of the model's
+generation_config (repetition penalties and the like, which no KL target describes; the run says what it
+does with the config's sampling options and stop ids, klbench/models/policies.py).
 
 The seam: a Sampler is any callable with kv_cache_sample's signature. A server-grade engine
 (vLLM, SGLang) plugs in as another entry of SAMPLERS, returning the same Samples; where its
@@ -31,22 +35,33 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
+from klbench.estimators.sampling import Sampling
 from klbench.models.gpt2_decode import gpt2_decoder
+
+PLAIN = Sampling()
 
 
 @dataclass
 class Samples:
-    tokens: torch.Tensor  # [B, L] response tokens; a row that emitted EOS is padded with pad_id after it
-    logp: torch.Tensor | None  # [B, L] float32 log-prob of each sampled token under the sampling logits, 0 after EOS
+    tokens: torch.Tensor  # [B, L] response tokens; a row that emitted a stop id is padded with pad_id after it
+    logp: torch.Tensor | None  # [B, L] float32 log pi_s of each sampled token (the sampler's own), 0 after the stop
 
 
 class Sampler(Protocol):
     def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 eos_id: int, pad_id: int) -> Samples: ...
+                 eos_ids: int | Sequence[int], pad_id: int, sampling: Sampling = PLAIN) -> Samples: ...
+
+
+def stop_ids(eos_ids: int | Sequence[int]) -> list[int]:
+    """The ids that end a response, as a list: one id or several (every one ends it)."""
+    ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_ids must be a token id or a non-empty list of ids, got {eos_ids!r}")
+    return ids
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -60,11 +75,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                    eos_id: int, pad_id: int, threads: int | None = None, fused: bool = True) -> Samples:
-    """max_new_tokens (or fewer, once every row has emitted EOS) tokens per row, y ~ model at temperature 1.
+                    eos_ids: int | Sequence[int], pad_id: int, sampling: Sampling = PLAIN, threads: int | None = None,
+                    fused: bool = True) -> Samples:
+    """max_new_tokens (or fewer, once every row has emitted a stop id) tokens per row, y ~ pi_s.
 
     input_ids, attention_mask: [B, P] left-padded prompts. Device and dtype are the model's: the same
     loop runs on CPU and GPU, in float32 or bfloat16 (the sampling softmax is always float32).
+    eos_ids: one stop id or a list; every one ends a row (it is kept, then pads follow).
+    sampling: temperature, top_k, top_p (klbench.estimators.sampling.Sampling); the default is plain pi.
     threads: torch threads the loop runs with on CPU, restored afterwards (None: the process's). The
     tokens do not depend on it. One thread was 12x faster on a heavily loaded 2-core machine and up to
     15% slower on a quieter one (docs/embedded.md, "Rollouts"), so the default leaves it to the process.
@@ -78,7 +96,8 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         torch.set_num_threads(threads)
     try:
         with torch.inference_mode(), attention_backends(input_ids.device):
-            tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused)
+            tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, stop_ids(eos_ids), pad_id,
+                                        sampling, fused)
     finally:
         torch.set_num_threads(previous)
     bad = ~torch.isfinite(logp)  # [B, L] torch.multinomial would have refused these probabilities
@@ -129,7 +148,7 @@ class _ForwardStep:
         return out.logits[:, -1]
 
 
-def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, fused):
+def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_id, sampling, fused):
     B, P = input_ids.shape
     pos = position_ids_from_mask(attention_mask)  # [B, P]
     # no padding: no mask at all, as generate() does (SDPA then takes its causal path: the same bits)
@@ -148,23 +167,26 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_i
         _ForwardStep(model, cache, mask)
     logits = out.logits[:, -1]  # [B, V]
     del out, cache  # the prefill's logits and cache: the decoder holds what it needs
-    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)  # [B] rows past their EOS
+    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)  # [B] rows past their stop id
+    stops = torch.tensor(eos_ids, dtype=input_ids.dtype, device=input_ids.device)  # [S]
+    # the warpers of generate(): none at plain sampling (the bits of a plain softmax, as before)
+    warp = (lambda x: x.float()) if sampling.is_plain else sampling.process
     pad = torch.full((B,), pad_id, dtype=input_ids.dtype, device=input_ids.device)
     zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     shape = (B, logits.shape[-1])
     q = exp_noise(shape, input_ids.device)  # [B, V]
     tokens, logps = [], []
     for t in range(max_new_tokens):
-        probs = torch.softmax(logits.float(), -1)  # [B, V]
+        probs = torch.softmax(warp(logits), -1)  # [B, V] pi_s; exactly 0 on the tokens top-k/top-p cut
         # torch.multinomial(probs, 1) in ATen's one-sample path is argmax(probs / q), q ~ Exp(1) of probs' shape
         # and dtype: the same arithmetic on the same draws, so generate()'s tokens and RNG state, with the draw
         # taken out of the call so that its noise comes from exp_noise, 3x faster on CPU
         tok = (probs / q).argmax(-1)  # [B]
-        lp = probs.gather(-1, tok[:, None]).squeeze(1).log()  # [B] no second pass over [B, V]: a drawn p is > 1e-38
+        lp = probs.gather(-1, tok[:, None]).squeeze(1).log()  # [B] log pi_s, no second pass over [B, V]: a drawn p > 1e-38
         tok = torch.where(done, pad, tok)
         tokens.append(tok)
         logps.append(torch.where(done, zero, lp))
-        done = done | (tok == eos_id)
+        done = done | torch.isin(tok, stops)
         if t == max_new_tokens - 1 or bool(done.all()):  # one host sync a step, as generate() on CPU/GPU
             break
         pos = pos + 1
@@ -174,12 +196,15 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_id, pad_i
 
 
 def generate_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                    eos_id: int, pad_id: int) -> Samples:
+                    eos_ids: int | Sequence[int], pad_id: int, sampling: Sampling = PLAIN) -> Samples:
     """The same draw through transformers' generate(): the reference kv_cache_sample is tested against.
     No log-probs (generate() would need output_scores, a [B, V] copy per token)."""
+    ids = stop_ids(eos_ids)
     with attention_backends(input_ids.device):
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0, top_p=1.0,
-                             temperature=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                             temperature=float(sampling.temperature), top_k=sampling.top_k, top_p=float(sampling.top_p),
+                             max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                             eos_token_id=ids[0] if len(ids) == 1 else ids)
     return Samples(out[:, input_ids.shape[1]:], None)
 
 

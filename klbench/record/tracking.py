@@ -243,6 +243,14 @@ class RecordCheckpoint(Callback):
             "val_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
 
 
+def log_params(logger, params: dict[str, str]) -> None:
+    """Params a run learns once it is built (the sampling it used, where a model's generation_config chose it),
+    beside the config's; MLflow only (a resumed run logs the same values again, which MLflow accepts)."""
+    if isinstance(logger, RecordLogger) and logger.client is not None:
+        for key, value in params.items():
+            logger.client.log_param(logger.run_id, key, redact(str(value))[:6000])
+
+
 def log_samples(logger, tables: list[tuple[int, list[dict]]], cfg: DictConfig) -> None:
     """One table of sample texts (prompt, response, reward, seq KL) per validation, with its step."""
     rows = [{"step": step, **row} for step, table in tables for row in table]

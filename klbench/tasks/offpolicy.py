@@ -28,7 +28,8 @@ class CachedRollout:
     ro: Rollout
     reward: torch.Tensor  # [B]
     adv: torch.Tensor  # [B] RLOO advantage
-    old_logp: torch.Tensor  # [B, T] log pi_old of the sampled tokens, detached
+    old_logp: torch.Tensor  # [B, T] the KL batch's behaviour log-probs at the rollout, detached
+    old_sampler_logp: torch.Tensor  # [B, T] log pi_s,old of the sampled tokens (the reward's PPO ratio), detached
 
 
 def ppo_reward_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
@@ -60,20 +61,25 @@ def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
         ro = task.policy.rollout(prompts, task.cfg["n_samples"])
         batch = task.policy.score(ro)
         reward = task.rewards(ro)  # [B]
-        task.cached_rollout = CachedRollout(ro, reward, rloo_advantage(reward, ro.group), batch.logp.detach())
+        # the behaviour policy is the sampler's: log pi_s,old; for kl_target=model the batch carries it already
+        old = batch.old_logp if batch.old_logp is not None else batch.logp.detach()
+        slogp = task.policy.sampler_logp(ro, batch)
+        task.cached_rollout = CachedRollout(ro, reward, rloo_advantage(reward, ro.group), old, slogp.detach())
     else:
         if task.cached_rollout is None:
             raise RuntimeError(f"step {step} is step {i} of a rollout, but no rollout is cached: a checkpoint off a "
                                f"rollout boundary? task.val_every and task.max_steps must be multiples of {k}")
         batch = task.policy.score(task.cached_rollout.ro)
+        slogp = task.policy.sampler_logp(task.cached_rollout.ro, batch)
     c = task.cached_rollout
-    loss_reward, stats = ppo_reward_loss(batch.logp, c.old_logp, batch.mask, c.adv, float(task.cfg["clip_eps"]))
-    # at i == 0 old_logp is logp itself, detached: an on-policy batch for every estimator
+    loss_reward, stats = ppo_reward_loss(slogp, c.old_sampler_logp, batch.mask, c.adv, float(task.cfg["clip_eps"]))
+    # at i == 0 old_logp is logp itself, detached (an on-policy batch for every estimator), but for
+    # kl_target=model off plain sampling, where it is log pi_s
     loss, n_clamped = task.total_loss(replace(batch, old_logp=c.old_logp), loss_reward,
                                       f"step {step} (step {i} of its rollout)")
     if task.logging_step(step):
         if i == 0:  # on-policy samples: every value estimator is valid
-            task._log_train(batch, c.reward, c.ro, loss, n_clamped)
+            task._log_train(batch, c.reward, c.ro, loss, n_clamped, slogp)
         else:  # value estimators assume y ~ pi: the train/kl_* metrics are logged at rollout starts only
             m = {"train/reward": c.reward.mean(), "train/loss": loss.detach(),
                  "train/response_len": batch.mask.sum(-1).float().mean()}

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from klbench.probe import measure as P, report
 from klbench.probe.config import ProbeOptions
-from klbench.record import resume
+from klbench.record import resume, tracking
 from klbench.record.lifecycle import recorded_run
 
 
@@ -43,14 +43,15 @@ def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
 def run_task(cfg: DictConfig) -> dict[str, float]:
     """task=probe: build the pair, probe it, write and record tables and plots; returns the headline metrics."""
     from klbench.console import messages as console
-    from klbench.models.policies import build_policy
+    from klbench.models.policies import build_policy, sampling_params, sampling_text, task_sampling
     t0 = time.time()
     pcfg = probe_config(cfg.task)  # bad options fail before anything is built
     ckpt_path = resume.resolve_ckpt(cfg)
     if ckpt_path is not None:
         resume.load_payload(ckpt_path)  # not a klbench checkpoint: refused before anything is built or logged
     torch.manual_seed(cfg.seed)
-    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"))
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"),
+                          *task_sampling(cfg.task))
     if cfg.hardware.accelerator in ("gpu", "cuda"):
         policy = policy.to("cuda")
     step = resume.load_policy_weights(policy, ckpt_path, cfg) if ckpt_path else 0
@@ -60,7 +61,9 @@ def run_task(cfg: DictConfig) -> dict[str, float]:
         with open_dict(cfg):
             cfg.logger.run_name = _run_name(cfg, step)
     run_dir = os.path.dirname(cfg.paths.ckpt_dir)
+    print(f"klbench: {sampling_text(policy)}")
     with recorded_run(cfg) as record:
+        tracking.log_params(record.logger, sampling_params(policy))
         result = P.run_probe(policy, prompts, pcfg, progress=True)
         result.meta.update({"step": step, "ckpt_path": ckpt_path, "build_s": build_s})
         files = report.write_outputs(result, run_dir)

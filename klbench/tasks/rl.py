@@ -1,8 +1,10 @@
 """task=rl: maximise E[r] - beta * KL(pi || pi_ref). Thin wiring: rollout, reward, loss, logging.
 
-Reward gradient: REINFORCE with a leave-one-out baseline over the n samples of a prompt (RLOO).
-KL gradient: beta * the configured gradient estimator's surrogate. Every value estimator is
-logged on the same batch so that their disagreement is visible step by step.
+Reward gradient: REINFORCE with a leave-one-out baseline over the n samples of a prompt (RLOO), on the
+sampler's log pi_s (the reward is that of the policy as it samples, task.temperature/top_k/top_p).
+KL gradient: beta * the configured gradient estimator's surrogate on the KL target's batch (task.kl_target,
+docs/sampling.md). Every value estimator is logged on the same batch so that their disagreement is visible
+step by step, where the batch's samples are y ~ its policy (not for kl_target=model off plain sampling).
 """
 from __future__ import annotations
 
@@ -57,12 +59,13 @@ class RLTask(pl.LightningModule):
         ro = self.policy.rollout(prompts, self.cfg["n_samples"])
         batch = self.policy.score(ro)
         reward = self.rewards(ro)  # [B]
-        logp_sum = batch.masked_logp.sum(-1)  # [B]
+        slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
+        logp_sum = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device)).sum(-1)
         adv = rloo_advantage(reward, ro.group).to(logp_sum.dtype)
         loss_reward = -(adv * logp_sum).mean()
         loss, n_clamped = self.total_loss(batch, loss_reward, f"step {self.global_step}")
         if self.logging_step(self.global_step):
-            self._log_train(batch, reward, ro, loss, n_clamped)
+            self._log_train(batch, reward, ro, loss, n_clamped, slogp)
         self._control_beta(batch)
         return loss
 
@@ -111,9 +114,18 @@ class RLTask(pl.LightningModule):
         return loss, est.n_clamped
 
     @torch.no_grad()
-    def _log_train(self, batch, reward, ro, loss, n_clamped) -> None:
-        m = {f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
-             if label != "rb" or batch.logits is not None}
+    def _log_train(self, batch, reward, ro, loss, n_clamped, slogp=None) -> None:
+        """slogp: [B, T] the scorer's log pi_s (Policy.sampler_logp), for train/logp_gap_*."""
+        m = {}
+        if not batch.is_off_policy:  # value estimators assume y ~ pi: not under kl_target=model's pi_s samples
+            m = {f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
+                 if label != "rb" or batch.logits is not None}
+        if ro.sample_logp is not None and slogp is not None:
+            # the sampler's own log pi_s against the scoring pass's, real tokens only: 0 where both run the same
+            # arithmetic (float32 on CPU), not in bf16 with SDPA (docs/sampling.md, "Sampler and scorer")
+            gap = (ro.sample_logp.to(slogp.dtype) - slogp.detach())[batch.mask].abs()
+            if gap.numel():
+                m["train/logp_gap_max"], m["train/logp_gap_mean"] = gap.max(), gap.mean()
         m["train/reward"] = reward.mean()
         m["train/loss"] = loss.detach()
         m["train/response_len"] = batch.mask.sum(-1).float().mean()
@@ -159,29 +171,36 @@ class RLTask(pl.LightningModule):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.cfg["val_seed"] + batch_idx)
             ro = self.policy.rollout(prompts, self.cfg["val_samples"])
-        batch = self.policy.score(ro)
+            # val/seq_kl is the KL target's KL. kl_target=model off plain sampling: its rollouts are pi_s's, and
+            # rb needs y ~ pi, so the KL is measured on a second draw from pi itself (the same stream, after)
+            target = self.policy.on_target()
+            ro_kl = ro if target is self.policy else target.rollout(prompts, self.cfg["val_samples"])
+        batch = target.score(ro_kl)  # the view scores its own draws: y ~ pi, an on-policy batch of the target
         reward = self.rewards(ro)
         seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
-        for text, prompt, r, k, n in zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
-                                         batch.mask.sum(-1).tolist()):
-            self.val_rows.append({"prompt": prompt, "response": text, "reward": r, "seq_kl": k, "tokens": n})
+        for text, prompt, r, k, n, nk in zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
+                                             ro.mask.sum(-1).tolist(), batch.mask.sum(-1).tolist()):
+            self.val_rows.append({"prompt": prompt, "response": text, "reward": r, "seq_kl": k, "tokens": n,
+                                  "kl_tokens": nk})
 
     def on_validation_epoch_end(self) -> None:
         rows = self.val_rows
         # sums over all processes, so the metric is the same whatever the number of devices
         totals = torch.tensor([sum(r["reward"] for r in rows), sum(r["seq_kl"] for r in rows),
-                               sum(r["tokens"] for r in rows), len(rows)], dtype=torch.float64, device=self.device)
+                               sum(r["tokens"] for r in rows), sum(r["kl_tokens"] for r in rows), len(rows)],
+                              dtype=torch.float64, device=self.device)
         if self.trainer.world_size > 1:
-            totals = self.all_gather(totals).reshape(-1, 4).sum(0)
-        reward, kl, n_tok, n = totals.tolist()
-        m = {"val/reward": reward / n, "val/seq_kl": kl / n, "val/token_kl": kl / max(n_tok, 1),
+            totals = self.all_gather(totals).reshape(-1, 5).sum(0)
+        reward, kl, n_tok, n_kl_tok, n = totals.tolist()
+        m = {"val/reward": reward / n, "val/seq_kl": kl / n, "val/token_kl": kl / max(n_kl_tok, 1),
              "val/response_len": n_tok / n}
         m.update(self._exact_metrics(m))
         # logged at the number of optimiser steps taken (Lightning would use that number minus one)
         self.log_dict(m, logger=False, sync_dist=True)  # already identical on every process
         if self.trainer.is_global_zero and self.logger is not None:
             self.logger.log_metrics(m, step=self.global_step)
-        self.sample_tables.append((self.global_step, rows[: self.cfg["n_sample_texts"]]))
+        self.sample_tables.append((self.global_step, [{k: v for k, v in r.items() if k != "kl_tokens"}
+                                                      for r in rows[: self.cfg["n_sample_texts"]]]))
         every = self.cfg.get("probe_every")
         if every and self.global_step % every == 0 and self.trainer.is_global_zero and self.logger is not None:
             # estimator variance as pi moves from pi_ref; its own RNG stream, so training is not shifted

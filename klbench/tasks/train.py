@@ -24,7 +24,7 @@ from klbench.console import messages as console, progress
 
 from klbench.record import resume, tracking
 from klbench.record.lifecycle import recorded_run
-from klbench.models.policies import build_policy
+from klbench.models.policies import build_policy, sampling_params, sampling_text, task_sampling
 from klbench.models.rewards import build_reward
 from klbench.config.schema import validate
 from klbench.tasks import build_task, runner
@@ -149,13 +149,17 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     pl.seed_everything(cfg.seed, workers=True)
     local_ddp_store(cfg)
     t0 = time.time()
-    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"))
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"),
+                          *task_sampling(cfg.task))
+    target = sampling_text(policy)
+    print(f"klbench: {target}")
     reward = build_reward(cfg.reward, policy)
     module = build_task(cfg, policy, reward)
     data = build_data(cfg, policy.fixed_prompt, policy)
     built_s = time.time() - t0  # the models (the embedded LM's first build included) and the data
     pending = payload["pending_metrics"] if payload is not None else None
     with recorded_run(cfg, resume=ckpt_path is not None, pending=pending) as record:
+        tracking.log_params(record.logger, sampling_params(policy))
         trainer = build_trainer(cfg, record.logger, cfg.task.max_steps, cfg.task.val_every)
         before, t_train = None, time.time()
         if ckpt_path is None:
@@ -172,7 +176,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             tracking.log_samples(record.logger, module.sample_tables, cfg)
             _print_summary(before, after, trainer.global_step, time.time() - t_train, built_s,
-                           getattr(module, "exact_keys", set()), payload.get("step") if payload else None)
+                           getattr(module, "exact_keys", set()), payload.get("step") if payload else None, target)
             console.print_run_where(cfg, record.logger)
         for key in ("val/reward", "val/seq_kl"):
             if not math.isfinite(after.get(key, float("nan"))):
@@ -214,7 +218,7 @@ def _val_metrics(metrics) -> dict[str, float]:
 
 
 def _print_summary(before: dict | None, after: dict, step: int, train_s: float, built_s: float,
-                   exact: set[str], resumed_at: int | None = None) -> None:
+                   exact: set[str], resumed_at: int | None = None, target: str | None = None) -> None:
     """train_s: the training and its validations; built_s: the models and data before it. `exact`: the
     metrics that are the truth (the tabular model), each beside its `_sampled` estimate from the samples."""
     keys = sorted(after)
@@ -222,6 +226,8 @@ def _print_summary(before: dict | None, after: dict, step: int, train_s: float, 
     steps = f"{step} steps" if resumed_at is None else f"steps {resumed_at} -> {step} ({step - resumed_at})"
     print(f"\nklbench: {steps} in {train_s:.0f} s (before them, building the models and data took "
           f"{built_s:.0f} s)")
+    if target:
+        print(f"klbench: {target}")
     print(f"{'metric':<22} {'before (step 0)':>16} {'after (step ' + str(step) + ')':>18}")
     for k in keys:
         b = f"{before[k]:.4f}" if before and k in before else "-"
