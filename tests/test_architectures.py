@@ -1,6 +1,6 @@
 """The architectures instruct models ship in (tiny random Llama, Qwen2, Qwen3, Gemma2, Gemma3 text, Mistral, Phi3,
-built by tests/tiny_lms.py into the session's cache): for each, the rollout engine draws generate()'s tokens,
-scoring gives a plain forward's log-probs, and a short RL run (on chat-templated prompts) and a distillation
+built by tests/tiny_lms.py into the session's cache): for each, the rollout engine draws generate()'s tokens
+(at T = 1 and at T = 0.7 with top-p 0.9, the folder's two stop ids), scoring gives a plain forward's log-probs, and a short RL run (on chat-templated prompts) and a distillation
 run train."""
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from klbench.models.hf import load_causal_lm
+from klbench.estimators.sampling import Sampling
+from klbench.models.hf import generation_defaults, load_causal_lm
 from klbench.models.policies import LMPolicy
-from klbench.models.rollout import generate_sample, kv_cache_sample
+from klbench.models.rollout import PLAIN, generate_sample, kv_cache_sample
 from test_config import compose_cfg
 from tiny_lms import ARCHITECTURES
 
@@ -20,22 +21,26 @@ ARCHS = list(ARCHITECTURES)
 PROMPTS = ["The movie", "I did not like it at all, the plot was thin"]
 
 
+@pytest.mark.parametrize("sampling", [PLAIN, Sampling(0.7, 0, 0.9)], ids=["T1", "T0.7-p0.9"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_rollout_is_generate_token_for_token(arch, tiny_arch, single_thread):
-    """Under one seed: the same tokens as generate(do_sample=True) at temperature 1, and the same RNG state after."""
+def test_rollout_is_generate_token_for_token(arch, sampling, tiny_arch, single_thread):
+    """Under one seed: the same tokens as generate(do_sample=True, temperature=, top_p=) with the folder's stop-id
+    list (</s> and <|im_end|>), and the same RNG state after."""
     model, tok = load_causal_lm(tiny_arch(arch)[0])
+    stops = generation_defaults(model)[0]
+    assert len(stops) == 2
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     ids, attn = enc.input_ids.repeat_interleave(4, 0), enc.attention_mask.repeat_interleave(4, 0)  # [8, P]
     assert (attn == 0).any(), "the prompts must be left-padded"
     for seed in range(2):
         torch.manual_seed(seed)
-        ref = generate_sample(model, ids, attn, 24, tok.eos_token_id, tok.pad_token_id).tokens  # [8, <= 24]
+        ref = generate_sample(model, ids, attn, 24, stops, tok.pad_token_id, sampling).tokens  # [8, <= 24]
         after_ref = torch.rand(4)
         torch.manual_seed(seed)
-        got = kv_cache_sample(model, ids, attn, 24, tok.eos_token_id, tok.pad_token_id).tokens
+        got = kv_cache_sample(model, ids, attn, 24, stops, tok.pad_token_id, sampling).tokens
         assert torch.equal(got, ref), arch
         assert torch.equal(torch.rand(4), after_ref)
-        assert len(set(got[:, -1].tolist())) > 1  # samples, not one repeated token
+        assert len(set(got[:, 0].tolist())) > 1  # samples, not one repeated token
 
 
 @pytest.mark.parametrize("arch", ARCHS)
