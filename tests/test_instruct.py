@@ -225,3 +225,32 @@ def test_an_hf_dataset_of_messages(tmp_path, tiny_arch):
     with pytest.raises(ConfigError, match=r"^dataset\.prompt_words=8 cuts text prompts, but dataset\.field=messages "
                                           r"holds messages: set dataset\.prompt_words=null$"):
         load_prompts(cfg.dataset, policy)
+
+
+def test_a_chat_folder_ends_responses_at_each_listed_stop_id(tmp_path, tiny_arch):
+    """The issue's instruct folder: a chat template and a generation_config listing two stop ids (</s> and
+    <|im_end|>). On templated prompts (one BOS each), responses end at either id, the mask covers the response
+    up to and including it, and pads follow."""
+    cfg = _chat_cfg(tmp_path, tiny_arch("llama")[0], ROWS, "dataset.chat_template=true", "task.max_new_tokens=40")
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens)
+    tok = policy.tok
+    stops = [tok.convert_tokens_to_ids("</s>"), tok.convert_tokens_to_ids("<|im_end|>")]
+    assert list(policy.eos_ids) == stops
+    train, _ = load_prompts(cfg.dataset, policy)
+    ended = set()
+    for seed in range(10):
+        torch.manual_seed(seed)
+        ro = policy.rollout(train, 8)
+        resp = ro.tokens[:, ro.prompt_len:]  # [24, L]
+        for row, keep in zip(resp, ro.mask):
+            hits = [t for t, tok_id in enumerate(row.tolist()) if tok_id in stops]
+            if not hits:
+                assert keep.all()
+                continue
+            first = hits[0]
+            ended.add(int(row[first]))
+            assert keep[:first + 1].all() and not keep[first + 1:].any()
+            assert (row[first + 1:] == tok.pad_token_id).all()
+        if ended == set(stops):
+            break
+    assert ended == set(stops), ended
