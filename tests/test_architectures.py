@@ -1,7 +1,8 @@
 """The architectures instruct models ship in (tiny random Llama, Qwen2, Qwen3, Gemma2, Gemma3 text, Mistral, Phi3,
-built by tests/tiny_lms.py into the session's cache): for each, the rollout engine draws generate()'s tokens
-(at T = 1 and at T = 0.7 with top-p 0.9, the folder's two stop ids), scoring gives a plain forward's log-probs, and a short RL run (on chat-templated prompts) and a distillation
-run train."""
+built by tests/tiny_lms.py into the session's cache). For each: the rollout engine draws generate()'s tokens (at
+T = 1 and at T = 0.7 with top-p 0.9, with the folder's two stop ids), scoring gives a plain forward's log-probs,
+bf16 log-probs agree between sampler and scorer with eager attention, and a short RL run (on chat-templated
+prompts) and a distillation run train."""
 from __future__ import annotations
 
 import math

@@ -50,7 +50,8 @@ def prompt_source(cfg, split: str) -> str:
     if cfg.source == "jsonl":
         return f"dataset.{split}_path={cfg[split + '_path']} (field {cfg.field!r})"
     if cfg.source == "hf":
-        words = "whole texts" if cfg.prompt_words is None else f"the first dataset.prompt_words={cfg.prompt_words} words"
+        words = ("whole texts" if cfg.prompt_words is None
+                 else f"the first dataset.prompt_words={cfg.prompt_words} words")
         return f"dataset.name={cfg.name} (split {cfg[split + '_split']!r}, field {cfg.field!r}, {words})"
     return f"dataset={cfg.source} ({split} prompts)"
 
