@@ -4,7 +4,8 @@ The rollout engine keeps the log-prob of each token it draws (Samples.logp: the 
 position at a time over the KV cache); the scoring pass recomputes them in one forward over prompt + response.
 In float32 the two agree to rounding; in bfloat16 the two computations round differently (different matmul
 shapes, and with SDPA different kernels for one query against many keys than for a whole causal block).
-This prints, per architecture, dtype and attention implementation, the largest and the mean absolute gap in
+This prints, per architecture, dtype (`autocast`: float32 weights under bf16 autocast, as hardware=bf16 runs)
+and attention implementation, the largest and the mean absolute gap in
 nats per response token.
 
     python scripts/logp_gap.py [--archs gpt2,llama,qwen2] [--rows 16] [--new 48] [--seeds 3] [--device cpu]
@@ -30,14 +31,16 @@ PROMPTS = ["The movie", "I did not like it at all, the plot was thin", "A fine f
 
 def gap(path: str, dtype: str, attn: str, rows: int, new: int, seeds: int, device: str) -> tuple[float, float]:
     """(max, mean) |sampler log-prob - scorer log-prob| over the response tokens of `seeds` rollouts."""
-    model, tok = load_causal_lm(path, dtype, attn_implementation=attn)
+    autocast = dtype == "autocast"  # hardware=bf16: float32 weights, both passes under bf16 autocast
+    model, tok = load_causal_lm(path, "float32" if autocast else dtype, attn_implementation=attn)
     policy = LMPolicy(model.to(device), model.to(device), tok, max_new_tokens=new)
     diffs = []
     for seed in range(seeds):
         torch.manual_seed(seed)
-        ro = policy.rollout(PROMPTS, rows // len(PROMPTS))
-        with torch.no_grad():
-            score = policy.score(ro).logp  # [B, L] float32 log-softmax of the scoring pass's logits
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+            ro = policy.rollout(PROMPTS, rows // len(PROMPTS))
+            with torch.no_grad():
+                score = policy.score(ro).logp  # [B, L] float32 log-softmax of the scoring pass's logits
         diffs.append((ro.sample_logp - score).abs()[ro.mask])
     d = torch.cat(diffs)
     return float(d.max()), float(d.mean())
@@ -71,7 +74,7 @@ def main() -> None:
     for arch in args.archs.split(","):
         path = (save_tiny_gpt2(os.path.join(root, arch), tok) if arch == "gpt2" else
                 save_tiny_arch(arch, os.path.join(root, arch), tokenizer=tok))
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("float32", "bfloat16", "autocast"):
             for attn in ("sdpa", "eager"):
                 try:
                     mx, mean = gap(path, dtype, attn, args.rows, args.new, args.seeds, args.device)
