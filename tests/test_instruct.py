@@ -254,3 +254,24 @@ def test_a_chat_folder_ends_responses_at_each_listed_stop_id(tmp_path, tiny_arch
         if ended == set(stops):
             break
     assert ended == set(stops), ended
+
+
+def test_a_missing_or_unreadable_model_names_its_setting(tmp_path, tiny_arch):
+    """One line naming the key the path came from: model.name_or_path, model.ref_name_or_path, teacher.name_or_path
+    (a missing folder, an uncached hub id under HF_HUB_OFFLINE=1, a folder that holds no model)."""
+    good = tiny_arch("llama")[0]
+    (tmp_path / "empty").mkdir()
+    cases = [(["model.name_or_path=/nonexistent/x"], r"^model\.name_or_path: local path '/nonexistent/x' does not"),
+             (["model.name_or_path=nobody-here/no-model"], r"^model\.name_or_path \(tokenizer\): 'nobody-here/no-model' "
+                                                          r"not in the local Hugging Face cache and HF_HUB_OFFLINE=1"),
+             ([f"model.name_or_path={good}", f"model.ref_name_or_path={tmp_path}/empty"],
+              rf"^model\.ref_name_or_path={tmp_path}/empty could not be loaded as a causal LM and its tokenizer: ")]
+    for overrides, message in cases:
+        cfg = compose_cfg(tmp_path, ["model=hf", *overrides])
+        with pytest.raises(ConfigError, match=message) as e:
+            build_policy(cfg.model, 8)
+        assert "\n" not in str(e.value)
+    cfg = compose_cfg(tmp_path, ["task=distill", "reward=none", "estimator.beta=1.0", "model=hf",
+                                 f"model.name_or_path={good}", "model@teacher=hf", "teacher.name_or_path=/nonexistent/t"])
+    with pytest.raises(ConfigError, match=r"^teacher\.name_or_path: local path '/nonexistent/t' does not exist$"):
+        build_policy(cfg.model, 8, teacher=cfg.teacher)

@@ -104,26 +104,44 @@ def _from_pretrained(loader, name_or_path: str, what: str, setting: str = "model
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False,
-                   attn_implementation: str | None = None, setting: str = "model"):
+                   attn_implementation: str | None = None, setting: str = "model", path_setting: str | None = None):
     """(AutoModelForCausalLM, AutoTokenizer) from a hub id or a local directory; eval mode, left padding.
 
     trust_remote_code: run the folder's own modelling code (transformers refuses it otherwise).
     attn_implementation: one of ATTN_IMPLEMENTATIONS, or None for the model's default.
     setting: the config group the options came from ("model" or "teacher"), for the messages.
+    path_setting: the setting name_or_path came from (e.g. "model.ref_name_or_path"): a missing folder or an
+    uncached hub id is then a one-line ConfigError naming it (else FileNotFoundError, for Python callers).
     """
+    try:
+        return _load_causal_lm(name_or_path, dtype, trust_remote_code, attn_implementation, setting,
+                               path_setting or "load_causal_lm")
+    except FileNotFoundError as e:
+        if path_setting is None:
+            raise
+        raise ConfigError(str(e).strip().splitlines()[0]) from None  # the rest: transformers' advice for Python
+    except (OSError, ValueError) as e:  # a folder transformers cannot read as a causal LM and its tokenizer
+        if path_setting is None or isinstance(e, ConfigError):
+            raise
+        said = " ".join(str(e).split()) or type(e).__name__  # one line: transformers' lists span several
+        raise ConfigError(f"{path_setting}={name_or_path} could not be loaded as a causal LM and its tokenizer: "
+                          f"{said[:400]}") from None
+
+
+def _load_causal_lm(name_or_path: str, dtype: str, trust_remote_code: bool, attn_implementation: str | None,
+                    setting: str, what: str):
     if dtype not in _DTYPES:
         raise ValueError(f"load_causal_lm: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if attn_implementation is not None and attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"{setting}.attn_implementation={attn_implementation} is unknown; valid: null, "
                           f"{', '.join(ATTN_IMPLEMENTATIONS)}")
-    resolve_pretrained(name_or_path, "load_causal_lm")  # a missing path fails here, before any loading
+    resolve_pretrained(name_or_path, what)  # a missing path fails here, before any loading
     remote = {"trust_remote_code": bool(trust_remote_code)}  # explicit: never transformers' terminal prompt
-    tok = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, "load_causal_lm (tokenizer)", setting,
-                           **remote)
+    tok = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, f"{what} (tokenizer)", setting, **remote)
     attn = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
-        model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, "load_causal_lm (model)",
-                                 setting, dtype=_DTYPES[dtype], **remote, **attn)
+        model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, f"{what} (model)", setting,
+                                 dtype=_DTYPES[dtype], **remote, **attn)
     except (ImportError, ValueError) as e:
         if not attn or isinstance(e, ConfigError):
             raise

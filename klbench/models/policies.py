@@ -336,9 +336,9 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     else:
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
-    model, tok = models.load_causal_lm(path, cfg.dtype, **_load_options(cfg, "model"))
-    ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype,
-                                         **_load_options(teacher or cfg, "model" if teacher is None else "teacher"))
+    model, tok = models.load_causal_lm(path, cfg.dtype, **_load_options(cfg, "model", "name_or_path"))
+    ref_key = ("model", "ref_name_or_path") if teacher is None else ("teacher", "name_or_path")
+    ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype, **_load_options(teacher or cfg, *ref_key))
     models.check_same_vocab(tok, ref_tok, *names)
     for name, where, m in ((names[0], path, model), (names[1], ref_path, ref)):
         context = models.context_length(m.config)
@@ -382,11 +382,13 @@ def _generation_sampling(cfg, path: str, options: dict, sampling: Sampling) -> S
     return used
 
 
-def _load_options(cfg, setting: str) -> dict:
+def _load_options(cfg, setting: str, key: str) -> dict:
     """load_causal_lm's options of a `model` config (model.trust_remote_code, model.attn_implementation; the
-    embedded models have the second only) and the group they are set in, for its messages."""
+    embedded models have the second only), the group they are set in and the key of the path, for its messages
+    (an embedded model's folder is klbench's cache: no setting names it)."""
     return {"trust_remote_code": bool(cfg.get("trust_remote_code", False)),
-            "attn_implementation": cfg.get("attn_implementation"), "setting": setting}
+            "attn_implementation": cfg.get("attn_implementation"), "setting": setting,
+            "path_setting": f"{setting}.{key}" if cfg.kind == "hf" else None}
 
 
 def _lm_path(cfg, cache_root: str | None) -> str:
