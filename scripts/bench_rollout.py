@@ -102,7 +102,7 @@ def main() -> None:
     def draw(sampler, **kw):
         def run():
             torch.manual_seed(0)
-            return sampler(model, ids, attn, NEW_TOKENS, eos_id=V, pad_id=tok.pad_token_id, **kw).tokens  # V: no token
+            return sampler(model, ids, attn, NEW_TOKENS, eos_ids=V, pad_id=tok.pad_token_id, **kw).tokens  # V: no token
         return run
 
     rollouts = {"generate()": draw(generate_sample),

@@ -141,3 +141,20 @@ def test_rl_run_on_cuda(hardware, embedded_dir, tmp_path):
     state = torch.load(ckpt, weights_only=False)["state_dict"]
     assert ckpt.is_file() and {t.device.type for t in state.values()} == {"cuda"}
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "forward"])
+def test_same_tokens_as_generate_on_cuda_under_sampling(fused, precision, gpt2_dir):
+    """test_sampling_wire's generate() equality at T = 0.7, top-k 50, top-p 0.9 and a two-id stop list, on CUDA."""
+    from klbench.estimators.sampling import Sampling
+    model, tok, forward_ctx = _load(gpt2_dir, precision)
+    ids, attn = (t.to(CUDA) for t in _batch(tok))
+    s = Sampling(0.7, 50, 0.9)
+    stops = [tok.eos_token_id, _frequent_token(model, tok, ids, attn, 20, 0)]
+    with forward_ctx():
+        torch.manual_seed(0)
+        ref = generate_sample(model, ids, attn, 20, stops, tok.pad_token_id, s).tokens
+        torch.manual_seed(0)
+        got = kv_cache_sample(model, ids, attn, 20, stops, tok.pad_token_id, s, fused=fused)
+    assert torch.equal(got.tokens, ref), _where_they_differ(got.tokens, ref)

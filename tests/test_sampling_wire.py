@@ -163,6 +163,11 @@ def other_sharp_dir(tiny_lm_dir, tmp_path_factory):
     ("task.kl_target=model task.temperature=0.7 estimator=seq", ["task.kl_target=model", "estimator seq",
                                                                  "estimator=rb", "in_loss"]),
     ("task.kl_target=model task.temperature=0.7 kl_ctl=adaptive", ["kl_ctl=adaptive", "task.kl_target=model"]),
+    ("task=probe task.kl_target=model task.temperature=0.7", ["task=probe", "task.kl_target=model"]),
+    ("task.kl_target=model task.temperature=0.7 task.probe_every=40", ["task.probe_every=40", "task.kl_target"]),
+    ("task=distill model@teacher=hf teacher.name_or_path=x teacher.generation_config=follow",
+     ["teacher.generation_config=follow", "model.generation_config"]),
+    ("model=hf model.name_or_path=x model.generation_config=yes", ["model.generation_config", "follow"]),
 ])
 def test_bad_sampling_is_one_line_naming_the_field(tmp_path, override, words):
     cfg = compose_cfg(tmp_path, override.split())
@@ -252,3 +257,57 @@ def test_model_target_run_trains_off_policy(tmp_path, tiny_lm_dir, other_sharp_d
                                  "task.kl_target=model", f"model.ref_name_or_path={other_sharp_dir}", "logger=none"])
     out = run(cfg)
     assert math.isfinite(out["val/seq_kl"]) and out["val/seq_kl"] > 0
+
+
+def test_distill_and_probe_sample_pi_s(tmp_path, tiny_lm_dir, other_sharp_dir):
+    """task=distill trains at T = 0.7 with top-k; task=probe measures the pair as sampled: its reference KL at
+    T = 0.5, top-k 5 is not the plain pair's (the probe's rollouts and scoring follow task.*)."""
+    from klbench.tasks.train import run
+    lm = ["model=hf", f"model.name_or_path={tiny_lm_dir}", "task.max_new_tokens=6", "logger=none"]
+    out = run(compose_cfg(tmp_path / "d", lm + ["task=distill", "reward=none", "estimator.beta=1",
+                                                "model@teacher=hf", f"teacher.name_or_path={other_sharp_dir}",
+                                                "task.max_steps=2", "task.val_every=2", "task.prompts_per_step=2",
+                                                "task.val_prompts=2", "task.temperature=0.7", "task.top_k=20"]))
+    assert math.isfinite(out["val/seq_kl"]) and out["val/seq_kl"] > 0
+    probe = lm + ["task=probe", f"model.ref_name_or_path={other_sharp_dir}", "reward=none", "task.prompts=2",
+                  "task.samples=4", "task.grad_samples=4", "task.replicates=4", "task.ref_batches=2",
+                  "task.ref_samples=4", "task.bootstrap=20", "task.gradient_estimators=[rb]"]
+    plain = run(compose_cfg(tmp_path / "p", probe))["kl_reference"]
+    tempered = run(compose_cfg(tmp_path / "t", probe + ["task.temperature=0.5", "task.top_k=5"]))["kl_reference"]
+    assert plain > 0 and tempered > 0 and abs(plain - tempered) > 0.05 * plain
+
+
+def test_tabular_refuses_sampling_it_does_not_do(tmp_path):
+    """Until the tabular model samples pi_s (klbench/exact/tabular.py), task.* sampling on it is refused, not
+    ignored."""
+    cfg = compose_cfg(tmp_path, ["experiment=tabular"])
+    with pytest.raises(ConfigError, match="model=tabular samples pi itself"):
+        build_policy(cfg.model, 1, sampling=Sampling(0.7))
+
+
+def test_a_biased_target_is_said_when_built(tmp_path, tiny_lm_dir, capsys):
+    """kl_target=tempered under top-p: every estimator is biased there; the run says so in one line."""
+    cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tiny_lm_dir}"])
+    build_policy(cfg.model, 8, sampling=Sampling(0.7, 0, 0.9), kl_target="tempered")
+    warned = [l for l in capsys.readouterr().out.splitlines() if "warning" in l]
+    assert len(warned) == 1 and "task.kl_target=tempered" in warned[0] and "biased" in warned[0]
+    build_policy(cfg.model, 8, sampling=Sampling(0.7), kl_target="tempered")  # no cut: tempered is sampler's pair
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_followed_sampling_is_checked_against_the_estimator(tmp_path, llama_dir):
+    """model.generation_config=follow at the folder's temperature 0.7 with kl_target=model: the rule the schema
+    applies to task.temperature applies to the folder's value too (estimator=seq assumes y ~ pi)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from klbench.tasks.train import run
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(llama_dir, local_files_only=True)
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, eos_token_id=tok.eos_token_id)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tmp_path / 'm'}", "model.generation_config=follow",
+                                 "task.kl_target=model", "estimator=seq", "logger=none"])
+    with pytest.raises(ConfigError) as e:
+        run(cfg)
+    assert "model.generation_config=follow" in str(e.value) and "estimator seq" in str(e.value)

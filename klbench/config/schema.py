@@ -422,6 +422,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"teacher.kind={kind} and model.kind={model}: student and teacher must both be "
                               "tabular or both be language models")
         teacher = _check_group(cfg, "teacher").kind
+        if teacher == "hf" and cfg.teacher.get("generation_config", "klbench") != "klbench":
+            raise ConfigError("teacher.generation_config=follow: the teacher never samples (it is pi_ref), so its "
+                              "generation_config's sampling options do not apply; the student's do "
+                              "(model.generation_config)")
     ds = _check_group(cfg, "dataset")
     dataset = ds.source
     _check_chat(ds, model)
@@ -499,18 +503,39 @@ def _check_sampling(t: SamplingFields, e: BaseModel | None, ctl: str | None) -> 
         raise ConfigError(f"task.kl_target=model with {cut}: the truncated sampler never draws the tokens it cuts, "
                           "so no importance weight recovers KL(pi || pi_ref); use task.kl_target=sampler, or sample "
                           "without truncation (task.top_k=0 task.top_p=1)")
-    if e is None:
-        return
+    if e is None:  # task=probe: its value estimators need y ~ pi, and its rollouts would be pi_s's
+        raise ConfigError(f"task=probe with task.kl_target=model and task.temperature={t.temperature}: the probe "
+                          "measures the estimators on its own rollouts, which would come from the tempered sampler "
+                          "pi_s, not pi; probe task.kl_target=sampler, or the model's KL at task.temperature=1")
     if e.name not in OFF_POLICY_ESTIMATORS or (e.name == "in_loss" and e.ratio == "none"):
         raise ConfigError(f"task.kl_target=model with task.temperature={t.temperature} takes samples from the "
                           f"tempered sampler pi_s, a behaviour policy, but estimator {e.name}"
                           + (" with ratio=none" if e.name == "in_loss" else "") + " assumes y ~ pi: use an "
                           "off-policy estimator (estimator=rb, in_reward, or in_loss with estimator.ratio=token|"
                           "sequence), or task.kl_target=sampler")
+    if t.probe_every is not None:
+        raise ConfigError(f"task.probe_every={t.probe_every} with task.kl_target=model and task.temperature="
+                          f"{t.temperature}: the probe measures the estimators on y ~ pi, and this run's rollouts "
+                          "come from the tempered sampler pi_s; set task.probe_every=null or task.kl_target=sampler")
     if ctl not in (None, "fixed"):
         raise ConfigError(f"kl_ctl={ctl} with task.kl_target=model and task.temperature={t.temperature} is not "
                           "supported: the controller's KL signal is a value estimate, which needs y ~ pi; use "
                           "kl_ctl=fixed or task.kl_target=sampler")
+
+
+def check_followed_sampling(cfg: DictConfig, temperature: float, top_k: int, top_p: float) -> None:
+    """The task's sampling rules again for the sampling a model's generation_config chose instead of task.*'s
+    (model.generation_config=follow: known once the model is loaded)."""
+    task = cfg.task
+    t = SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, kl_target=task.get("kl_target", "sampler"),
+                        probe_every=task.get("probe_every"))
+    training = task.name != "probe"
+    try:
+        _check_sampling(t, _check_group(cfg, "estimator") if training else None,
+                        OmegaConf.select(cfg, "kl_ctl.name") if training else None)
+    except ConfigError as e:
+        raise ConfigError(f"model.generation_config=follow samples with the folder's temperature={temperature:g}, "
+                          f"top_k={top_k}, top_p={top_p:g}: {e}") from None
 
 
 def _check_tabular_pair(cfg: DictConfig, teacher: str | None) -> None:

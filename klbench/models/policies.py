@@ -328,7 +328,11 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
         raise ValueError(f"teacher.kind={teacher.kind} and model.kind={cfg.kind}: student and teacher must both "
                          "be tabular or both be language models")
     if cfg.kind == "tabular":
-        return _tabular_policy(cfg, teacher)  # i29math: the tabular model's sampling and target
+        if not sampling.is_plain or kl_target != "sampler":  # no silent ignoring: the tabular model samples pi
+            raise ConfigError(f"model=tabular samples pi itself: it has no task.temperature, task.top_k, task.top_p "
+                              f"or task.kl_target other than the plain sampler yet (got {sampling.describe()}, "
+                              f"task.kl_target={kl_target}); use model=embedded or model=hf")
+        return _tabular_policy(cfg, teacher)
     from klbench.models import hf as models  # transformers: imported only for a language model
     path = _lm_path(cfg, cache_root)
     if teacher is not None:

@@ -26,7 +26,10 @@ IDENTITY = ("task", "estimator", "kl_ctl", "model", "teacher", "reward", "datase
 # klbench did (beta was always fixed; one optimiser step per rollout)
 BEFORE = {"kl_ctl": {"name": "fixed"}, "task.inner_steps": 1, "task.clip_eps": 0.2,
           # the adaptive controller before issue 18: integral part only, horizon in sequences
-          "kl_ctl.kp": 0.0, "kl_ctl.horizon_unit": "sequences"}
+          "kl_ctl.kp": 0.0, "kl_ctl.horizon_unit": "sequences",
+          # before issue 29: plain sampling, whose every target is one pair; klbench's sampling, not the folder's
+          "task.temperature": 1.0, "task.top_k": 0, "task.top_p": 1.0, "task.kl_target": "sampler",
+          "model.generation_config": "klbench", "teacher.generation_config": "klbench"}
 
 
 # task keys that only add measurements (klbench.probe.measure at validations, on its own RNG stream): they never

@@ -52,6 +52,10 @@ def run_task(cfg: DictConfig) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"),
                           *task_sampling(cfg.task))
+    if policy.sampling != task_sampling(cfg.task)[0]:  # model.generation_config=follow chose the folder's
+        from klbench.config.schema import check_followed_sampling
+        s = policy.sampling
+        check_followed_sampling(cfg, s.temperature, s.top_k, s.top_p)
     if cfg.hardware.accelerator in ("gpu", "cuda"):
         policy = policy.to("cuda")
     step = resume.load_policy_weights(policy, ckpt_path, cfg) if ckpt_path else 0

@@ -116,10 +116,10 @@ class RLTask(pl.LightningModule):
     @torch.no_grad()
     def _log_train(self, batch, reward, ro, loss, n_clamped, slogp=None) -> None:
         """slogp: [B, T] the scorer's log pi_s (Policy.sampler_logp), for train/logp_gap_*."""
-        m = {}
-        if not batch.is_off_policy:  # value estimators assume y ~ pi: not under kl_target=model's pi_s samples
-            m = {f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
-                 if label != "rb" or batch.logits is not None}
+        # value estimators that assume y ~ pi are left out on a behaviour batch (kl_target=model off plain sampling)
+        off = batch.is_off_policy
+        m = {f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
+             if (label != "rb" or batch.logits is not None) and (not off or est.supports_off_policy())}
         if ro.sample_logp is not None and slogp is not None:
             # the sampler's own log pi_s against the scoring pass's, real tokens only: 0 where both run the same
             # arithmetic (float32 on CPU), not in bf16 with SDPA (docs/sampling.md, "Sampler and scorer")

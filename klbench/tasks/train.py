@@ -26,7 +26,7 @@ from klbench.record import resume, tracking
 from klbench.record.lifecycle import recorded_run
 from klbench.models.policies import build_policy, sampling_params, sampling_text, task_sampling
 from klbench.models.rewards import build_reward
-from klbench.config.schema import validate
+from klbench.config.schema import check_followed_sampling, validate
 from klbench.tasks import build_task, runner
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,9 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     t0 = time.time()
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"),
                           *task_sampling(cfg.task))
+    if policy.sampling != task_sampling(cfg.task)[0]:  # model.generation_config=follow chose the folder's
+        s = policy.sampling
+        check_followed_sampling(cfg, s.temperature, s.top_k, s.top_p)
     target = sampling_text(policy)
     print(f"klbench: {target}")
     reward = build_reward(cfg.reward, policy)
