@@ -81,3 +81,19 @@ def other_tiny_lm_dir(tmp_path_factory):
     """Same architecture, a tokenizer trained on other texts with another size: a different vocabulary."""
     return _save_tiny_lm(tmp_path_factory.mktemp("other_lm"), 5, 320, seed=1)
 
+
+
+@pytest.fixture(scope="session")
+def tiny_arch(tmp_path_factory):
+    """arch -> (policy folder, teacher folder): tiny random models of each architecture of tests/tiny_lms.py's
+    ARCHITECTURES on one chat tokenizer, built on first use and kept for the session."""
+    from tiny_lms import save_chat_tokenizer, save_tiny_arch
+    built, root = {}, tmp_path_factory.mktemp("arch")
+    tok = save_chat_tokenizer(root / "tokenizer")
+
+    def get(arch: str) -> tuple[str, str]:
+        if arch not in built:
+            built[arch] = (save_tiny_arch(arch, root / arch, seed=0, tokenizer=tok),
+                           save_tiny_arch(arch, root / f"{arch}-teacher", seed=1, tokenizer=tok))
+        return built[arch]
+    return get

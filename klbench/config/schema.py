@@ -25,7 +25,7 @@ from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and i
 from klbench.config.explain import explain
 from klbench.estimators.options import (REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
                                         InRewardOptions, LibraryOptions, Options)
-from klbench.models import DTYPES
+from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
 from klbench.models.prompts_jsonl import read_prompts
 from klbench.probe.config import ProbeOptions
 
@@ -210,6 +210,7 @@ class ModelEmbedded(Options):
     spec: EmbeddedSpec
     dtype: DType
     lora: Lora = Lora()
+    attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # as ModelHF's
 
 
 class ModelHF(Options):
@@ -218,6 +219,8 @@ class ModelHF(Options):
     ref_name_or_path: Str
     dtype: DType
     lora: Lora = Lora()
+    trust_remote_code: bool = False  # run the folder's own modelling code (klbench.models.hf.load_causal_lm)
+    attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # null: the model's default (SDPA)
     # the sampling options of the folder's generation_config: klbench's task.temperature/top_k/top_p (the
     # default, saying so when the folder sets others) or the folder's (klbench.models.policies.build_policy)
     generation_config: Literal["klbench", "follow"] = "klbench"
@@ -237,24 +240,30 @@ Model = Union[ModelEmbedded, ModelHF, ModelTabular]
 
 # ---- dataset ----
 
-class DatasetEmbedded(Options):
+class DatasetOptions(Options):
+    """What every prompt source shares: instruct models' chat templates (klbench.models.chat)."""
+    chat_template: bool = False  # render each prompt with the tokenizer's chat template
+    system_prompt: Optional[str] = None  # a system turn before each prompt; needs chat_template=true
+
+
+class DatasetEmbedded(DatasetOptions):
     source: Literal["embedded"]
 
 
-class DatasetJsonl(Options):
+class DatasetJsonl(DatasetOptions):
     source: Literal["jsonl"]
     train_path: Str
     val_path: Str
     field: Str
 
 
-class DatasetHF(Options):
+class DatasetHF(DatasetOptions):
     source: Literal["hf"]
     name: Str
     train_split: Str
     val_split: Str
     field: Str
-    prompt_words: PosInt
+    prompt_words: Optional[PosInt]  # null: whole texts (and a messages field)
     max_train: PosInt
     max_val: PosInt
 
@@ -427,7 +436,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("teacher.generation_config=follow: the teacher never samples (it is pi_ref), so its "
                               "generation_config's sampling options do not apply; the student's do "
                               "(model.generation_config)")
-    dataset = _check_group(cfg, "dataset").source
+    ds = _check_group(cfg, "dataset")
+    dataset = ds.source
+    _check_chat(ds, model)
     reward = _check_group(cfg, "reward").kind
     _check_group(cfg, "hardware")
     _check_group(cfg, "store")  # before logger: the logger's URIs come from it
@@ -479,6 +490,16 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
         raise ConfigError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={reward})")
     if reward == "tabular" and model != "tabular":
         raise ConfigError(f"reward=tabular needs model=tabular (got model.kind={model})")
+
+
+def _check_chat(ds: SimpleNamespace, model: str) -> None:
+    """A system prompt is a chat turn; the tabular model has no prompts to render."""
+    if ds.system_prompt is not None and not ds.chat_template:
+        raise ConfigError("dataset.system_prompt is set, but dataset.chat_template=false: a system prompt is a turn "
+                          "of the chat template; set dataset.chat_template=true")
+    if ds.chat_template and model == "tabular":
+        raise ConfigError("dataset.chat_template=true does nothing with model=tabular, which ignores prompts: set "
+                          "dataset.chat_template=false")
 
 
 def plain_sampling(t: SamplingFields) -> bool:
@@ -627,7 +648,7 @@ def _check_placement(t: TaskRL, e: BaseModel, ctl: str | None) -> None:
 def _check_jsonl(ds: DictConfig, min_train: int) -> None:
     for key in ("train_path", "val_path"):
         try:
-            prompts = read_prompts(ds[key], ds.field)
+            prompts = read_prompts(ds[key], ds.field, bool(ds.get("chat_template", False)))
         except (OSError, ValueError) as e:
             raise ConfigError(f"dataset.{key}: {e}") from None
         if key == "train_path" and len(prompts) < min_train:

@@ -7,20 +7,35 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from klbench.models.prompts_jsonl import read_prompts
+from klbench.config.errors import ConfigError
+from klbench.models.prompts_jsonl import check_prompt, read_prompts
 
 
-def load_prompts(cfg) -> tuple[list[str], list[str]]:
-    """(train, val) prompt lists for a `dataset` config."""
+def load_prompts(cfg, policy=None) -> tuple[list[str], list[str]]:
+    """(train, val) prompt lists for a `dataset` config. With dataset.chat_template=true each prompt is rendered
+    with the tokenizer of `policy` (an LMPolicy), which from then on tokenizes prompts without adding special
+    tokens: the template wrote them (klbench.models.chat)."""
+    chat = bool(cfg.get("chat_template", False))
     if cfg.source == "embedded":
         from klbench.models.embedded.corpus import embedded_prompts
-        return embedded_prompts("train"), embedded_prompts("val")
-    if cfg.source == "jsonl":
-        return _read_jsonl(cfg.train_path, cfg.field), _read_jsonl(cfg.val_path, cfg.field)
-    if cfg.source == "hf":
-        return (_read_hf(cfg.name, cfg.train_split, cfg.field, cfg.prompt_words, cfg.max_train),
-                _read_hf(cfg.name, cfg.val_split, cfg.field, cfg.prompt_words, cfg.max_val))
-    raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
+        train, val = embedded_prompts("train"), embedded_prompts("val")
+    elif cfg.source == "jsonl":
+        train, val = read_prompts(cfg.train_path, cfg.field, chat), read_prompts(cfg.val_path, cfg.field, chat)
+    elif cfg.source == "hf":
+        train, val = (_read_hf(cfg.name, cfg.train_split, cfg.field, cfg.prompt_words, cfg.max_train, chat),
+                      _read_hf(cfg.name, cfg.val_split, cfg.field, cfg.prompt_words, cfg.max_val, chat))
+    else:
+        raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
+    if not chat:
+        return train, val
+    if getattr(policy, "tok", None) is None:
+        raise ConfigError("dataset.chat_template=true needs a language model's tokenizer (model=hf or embedded)")
+    from klbench.models.chat import render_prompts
+    system = cfg.get("system_prompt")
+    rendered = (render_prompts(policy.tok, train, system, prompt_source(cfg, "train")),
+                render_prompts(policy.tok, val, system, prompt_source(cfg, "val")))
+    policy.add_special_tokens = False  # the template wrote BOS (where the model has one): never a second
+    return rendered
 
 
 def check_prompt_lengths(cfg, policy, train: list[str], val: list[str]) -> None:
@@ -35,16 +50,13 @@ def prompt_source(cfg, split: str) -> str:
     if cfg.source == "jsonl":
         return f"dataset.{split}_path={cfg[split + '_path']} (field {cfg.field!r})"
     if cfg.source == "hf":
-        return (f"dataset.name={cfg.name} (split {cfg[split + '_split']!r}, field {cfg.field!r}, the first "
-                f"dataset.prompt_words={cfg.prompt_words} words)")
+        words = ("whole texts" if cfg.prompt_words is None
+                 else f"the first dataset.prompt_words={cfg.prompt_words} words")
+        return f"dataset.name={cfg.name} (split {cfg[split + '_split']!r}, field {cfg.field!r}, {words})"
     return f"dataset={cfg.source} ({split} prompts)"
 
 
-def _read_jsonl(path: str, field: str) -> list[str]:
-    return read_prompts(path, field)  # the reader klbench.config.schema checks the files with
-
-
-def _read_hf(name: str, split: str, field: str, words: int, limit: int) -> list[str]:
+def _read_hf(name: str, split: str, field: str, words: int | None, limit: int, chat: bool) -> list:
     try:
         import datasets
     except ImportError as e:
@@ -60,7 +72,18 @@ def _read_hf(name: str, split: str, field: str, words: int, limit: int) -> list[
     if field not in ds.column_names:
         raise ValueError(f"HF dataset {name!r} has no column {field!r} (dataset.field); columns: {ds.column_names}")
     ds = ds.shuffle(seed=0).select(range(min(limit, len(ds))))
-    return [" ".join(str(t).split()[:words]) for t in ds[field]]
+    out = []
+    for i, value in enumerate(ds[field]):
+        if (why := check_prompt(value, chat)) is not None:
+            raise ValueError(f"HF dataset {name!r} split {split!r} row {i} (after shuffling): field {field!r} {why}")
+        if isinstance(value, list):  # messages
+            if words is not None:
+                raise ConfigError(f"dataset.prompt_words={words} cuts text prompts, but dataset.field={field} holds "
+                                  "messages: set dataset.prompt_words=null")
+            out.append(value)
+        else:
+            out.append(value if words is None else " ".join(value.split()[:words]))
+    return out
 
 
 class PromptData(pl.LightningDataModule):

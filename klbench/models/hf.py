@@ -1,6 +1,7 @@
 """Causal LMs from the Hugging Face hub or a local save_pretrained folder, one code path for both.
 
-    load_causal_lm(name_or_path, dtype="float32") -> (model, tokenizer)
+    load_causal_lm(name_or_path, dtype="float32", trust_remote_code=False, attn_implementation=None,
+                   setting="model") -> (model, tokenizer)
     check_same_vocab(tok_a, tok_b, what_a="policy", what_b="reference")
     context_length(config) -> ("n_positions", 1024): the positions prompt and response share
     generation_defaults(model) -> ([stop ids], {"temperature": 0.7, ...}): what its generation_config sets
@@ -10,13 +11,17 @@ them, and they load here.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from klbench.config.errors import ConfigError
 from klbench.console import messages as console
-from klbench.models import DTYPES
+from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
+
+log = logging.getLogger(__name__)
 
 
 # the config attributes that name a causal LM's context (positions for prompt and response together)
@@ -80,7 +85,7 @@ def resolve_pretrained(name_or_path: str, what: str = "model") -> tuple[str, dic
     return name_or_path, ({"local_files_only": True} if hub_offline() else {})
 
 
-def _from_pretrained(loader, name_or_path: str, what: str, **kwargs):
+def _from_pretrained(loader, name_or_path: str, what: str, setting: str = "model", **kwargs):
     name, extra = resolve_pretrained(name_or_path, what)
     console.quiet_transformers()  # its "Loading weights" bar, at default verbosity
     try:
@@ -89,16 +94,62 @@ def _from_pretrained(loader, name_or_path: str, what: str, **kwargs):
         where = ("not in the local Hugging Face cache and HF_HUB_OFFLINE=1" if extra and not os.path.isdir(name)
                  else "could not be loaded")
         raise FileNotFoundError(f"{what}: {name_or_path!r} {where}: {e}") from e
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        # transformers' own text asks for a Python argument (or prompts on a terminal): name the setting instead
+        raise ConfigError(f"{setting}.trust_remote_code=false, but {name_or_path!r} ships its own Python code "
+                          f"(auto_map in its config): set {setting}.trust_remote_code=true to run that code, "
+                          "after reading it") from None
 
 
-def load_causal_lm(name_or_path: str, dtype: str = "float32"):
-    """(AutoModelForCausalLM, AutoTokenizer) from a hub id or a local directory; eval mode, left padding."""
+def load_causal_lm(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False,
+                   attn_implementation: str | None = None, setting: str = "model", path_setting: str | None = None):
+    """(AutoModelForCausalLM, AutoTokenizer) from a hub id or a local directory; eval mode, left padding.
+
+    trust_remote_code: run the folder's own modelling code (transformers refuses it otherwise).
+    attn_implementation: one of ATTN_IMPLEMENTATIONS, or None for the model's default.
+    setting: the config group the options came from ("model" or "teacher"), for the messages.
+    path_setting: the setting name_or_path came from (e.g. "model.ref_name_or_path"): a missing folder or an
+    uncached hub id is then a one-line ConfigError naming it (else FileNotFoundError, for Python callers).
+    """
+    try:
+        return _load_causal_lm(name_or_path, dtype, trust_remote_code, attn_implementation, setting,
+                               path_setting or "load_causal_lm")
+    except FileNotFoundError as e:
+        if path_setting is None:
+            raise
+        raise ConfigError(str(e).strip().splitlines()[0]) from None  # the rest: transformers' advice for Python
+    except (OSError, ValueError) as e:  # a folder transformers cannot read as a causal LM and its tokenizer
+        if path_setting is None or isinstance(e, ConfigError):
+            raise
+        said = " ".join(str(e).split()) or type(e).__name__  # one line: transformers' lists span several
+        raise ConfigError(f"{path_setting}={name_or_path} could not be loaded as a causal LM and its tokenizer: "
+                          f"{said[:400]}") from None
+
+
+def _load_causal_lm(name_or_path: str, dtype: str, trust_remote_code: bool, attn_implementation: str | None,
+                    setting: str, what: str):
     if dtype not in _DTYPES:
         raise ValueError(f"load_causal_lm: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    resolve_pretrained(name_or_path, "load_causal_lm")  # a missing path fails here, before any loading
-    tok = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, "load_causal_lm (tokenizer)")
-    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, "load_causal_lm (model)",
-                             dtype=_DTYPES[dtype])
+    if attn_implementation is not None and attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"{setting}.attn_implementation={attn_implementation} is unknown; valid: null, "
+                          f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+    resolve_pretrained(name_or_path, what)  # a missing path fails here, before any loading
+    remote = {"trust_remote_code": bool(trust_remote_code)}  # explicit: never transformers' terminal prompt
+    tok = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, f"{what} (tokenizer)", setting, **remote)
+    attn = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    try:
+        model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, f"{what} (model)", setting,
+                                 dtype=_DTYPES[dtype], **remote, **attn)
+    except (ImportError, ValueError) as e:
+        if not attn or isinstance(e, ConfigError):
+            raise
+        # the implementation's package is missing, or the architecture does not support it
+        # its first sentence: the rest suggests Python arguments (attn_implementation="eager"), not settings
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+        raise ConfigError(f"{setting}.attn_implementation={attn_implementation} cannot load {name_or_path!r}: "
+                          f"{first} (valid: null, {', '.join(ATTN_IMPLEMENTATIONS)})") from None
     if tok.pad_token is None:  # GPT-2 has no pad token; masks must then come from attention_mask, not ids
         if tok.eos_token is None:
             raise ValueError(f"load_causal_lm: tokenizer of {name_or_path!r} has neither a pad nor an eos token")
@@ -109,6 +160,12 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32"):
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     model.eval()
+    impl = model.config._attn_implementation
+    if dtype != "float32" and impl != "eager":
+        # measured on CPU, tiny models of 8 architectures (docs/instruct.md): up to 0.14 nats with SDPA, 1e-6 eager
+        log.warning("%s.dtype=%s with %s attention: the sampler's and the scorer's log-probs of a token differ (up "
+                    "to 0.14 nats on tiny models, docs/instruct.md); %s.attn_implementation=eager makes them agree",
+                    setting, dtype, impl, setting)
     return model, tok
 
 

@@ -126,6 +126,8 @@ class LMPolicy(Policy):
         self.model, self.ref, self.tok = model, ref_model, tokenizer
         self.ref.requires_grad_(False)
         self.max_new_tokens = max_new_tokens
+        # False for prompts a chat template rendered (klbench.models.chat): they hold their BOS already
+        self.add_special_tokens = True
         if isinstance(sampler, str) and sampler not in SAMPLERS:
             raise ValueError(f"LMPolicy: sampler must be one of {sorted(SAMPLERS)} or a Sampler, got {sampler!r}")
         self.sampler = SAMPLERS[sampler] if isinstance(sampler, str) else sampler
@@ -148,7 +150,8 @@ class LMPolicy(Policy):
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], n: int) -> Rollout:
-        enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
+        enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=self.add_special_tokens)
+        enc = enc.to(self.device)
         if self.context and enc.input_ids.shape[1] + self.max_new_tokens > self.context[1]:
             # past the context GPT-2's position embedding fails with a bare IndexError; prompts from the
             # `dataset` group were checked when loaded (check_prompts), this catches the others (task=probe)
@@ -199,15 +202,17 @@ class LMPolicy(Policy):
         """The longest prompt, tokenized as rollout() does, plus max_new_tokens fits the models' context."""
         if self.context is None or not prompts:
             return
-        lengths = [len(ids) for ids in self.tok(prompts).input_ids]
+        lengths = [len(ids) for ids in self.tok(prompts, add_special_tokens=self.add_special_tokens).input_ids]
         i = max(range(len(lengths)), key=lengths.__getitem__)
         if lengths[i] + self.max_new_tokens > self.context[1]:
             raise ConfigError(f"{source}: " + _too_long(f"its longest prompt (#{i + 1}: {_preview(prompts[i])})",
                                                        lengths[i], self.max_new_tokens, self.context))
 
     def reference(self) -> "LMPolicy":
-        return LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler, self.sampling, self.kl_target,
-                        self.eos_ids)
+        ref = LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler, self.sampling, self.kl_target,
+                       self.eos_ids)
+        ref.add_special_tokens = self.add_special_tokens  # the same prompts, tokenized alike
+        return ref
 
     @property
     def device(self) -> torch.device:
@@ -369,7 +374,7 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     else:
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
-    model, tok = models.load_causal_lm(path, cfg.dtype)
+    model, tok = models.load_causal_lm(path, cfg.dtype, **_load_options(cfg, "model", "name_or_path"))
     ref = ref_tok = None
     if (cfg.get("lora") or {}).get("r"):
         from klbench.models.lora import WithoutAdapter, add_lora
@@ -377,7 +382,9 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
         if teacher is None and ref_path == path:  # pi_ref is the policy's own base, adapter off: one copy
             ref, ref_tok = WithoutAdapter(model), tok
     if ref is None:
-        ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype)
+        ref_key = ("model", "ref_name_or_path") if teacher is None else ("teacher", "name_or_path")
+        ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype,
+                                             **_load_options(teacher or cfg, *ref_key))
     models.check_same_vocab(tok, ref_tok, *names)
     for name, where, m in ((names[0], path, model), (names[1], ref_path, ref)):
         context = models.context_length(m.config)
@@ -423,6 +430,15 @@ def _generation_sampling(cfg, path: str, options: dict, sampling: Sampling) -> S
     print(f"klbench: model.generation_config=follow: sampling with {path}'s generation_config ({used.describe()}) "
           f"instead of task.*'s ({sampling.describe()})")
     return used
+
+
+def _load_options(cfg, setting: str, key: str) -> dict:
+    """load_causal_lm's options of a `model` config (model.trust_remote_code, model.attn_implementation; the
+    embedded models have the second only), the group they are set in and the key of the path, for its messages
+    (an embedded model's folder is klbench's cache: no setting names it)."""
+    return {"trust_remote_code": bool(cfg.get("trust_remote_code", False)),
+            "attn_implementation": cfg.get("attn_implementation"), "setting": setting,
+            "path_setting": f"{setting}.{key}" if cfg.kind == "hf" else None}
 
 
 def _lm_path(cfg, cache_root: str | None) -> str:

@@ -1,13 +1,37 @@
 """The one reader of jsonl prompt files (dataset=jsonl): used by klbench.models.data to load them and by
-klbench.config.schema to check them before torch is imported, so both agree on what a valid file is."""
+klbench.config.schema to check them before torch is imported, so both agree on what a valid file is.
+
+A prompt is a string, or with dataset.chat_template=true also a conversation: a list of {"role": ..., "content":
+...} dicts (the `messages` shape of chat datasets), which klbench.models.chat renders with the tokenizer's
+template. check_prompt is the one check of both shapes, for jsonl files and HF datasets alike.
+"""
 from __future__ import annotations
 
 import json
 import os
 
+Prompt = str | list  # a text, or a list of {"role": str, "content": str} messages
 
-def read_prompts(path: str, field: str) -> list[str]:
-    """The `field` string of every non-blank line; errors name `path:line`."""
+
+def check_prompt(value, chat: bool) -> str | None:
+    """Why `value` is not a prompt (None: it is one). chat: dataset.chat_template=true (messages allowed)."""
+    if isinstance(value, str):
+        return None
+    if not isinstance(value, list):  # str(None) or str(3) would be a silent, meaningless prompt
+        return f"is not a string{' or a list of messages' if chat else ''}: {value!r}"[:200]
+    if not chat:
+        return ("is a list (messages?); a conversation is rendered with the tokenizer's chat template: set "
+                "dataset.chat_template=true")
+    if not value:
+        return "is an empty list of messages"
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"message {i} is not a {{'role': str, 'content': str}} dict: {m!r}"[:200]
+    return None
+
+
+def read_prompts(path: str, field: str, chat: bool = False) -> list[Prompt]:
+    """The `field` prompt of every non-blank line; errors name `path:line`. chat: messages are allowed."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file {path!r} does not exist")
     out = []
@@ -23,8 +47,8 @@ def read_prompts(path: str, field: str) -> list[str]:
                 raise ValueError(f"{path}:{i} is not a JSON object (got {type(row).__name__})")
             if field not in row:
                 raise ValueError(f"{path}:{i} has no field {field!r} (dataset.field); keys: {sorted(row)}")
-            if not isinstance(row[field], str):  # str(None) or str(3) would be a silent, meaningless prompt
-                raise ValueError(f"{path}:{i} field {field!r} is not a string: {row[field]!r}")
+            if (why := check_prompt(row[field], chat)) is not None:
+                raise ValueError(f"{path}:{i} field {field!r} {why}")
             out.append(row[field])
     if not out:
         raise ValueError(f"dataset file {path!r} holds no prompts")

@@ -159,8 +159,10 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_
     if cache is None:  # transformers < 5.24, or remote code, names it past_key_values: one token without it is garbage
         import transformers
         raise ValueError(f"kv_cache_sample: {type(model).__name__} returned no KV cache under `cache` (transformers "
-                         f">= 5.24 names it so; this is {transformers.__version__}): upgrade transformers, or sample "
-                         "with sampler='generate'")
+                         f">= 5.24 names it so; this is {transformers.__version__}): upgrade transformers "
+                         "(pip install -U 'transformers>=5.24'), or, for a folder's own code "
+                         "(model.trust_remote_code=true), load the architecture transformers ships "
+                         "(model.trust_remote_code=false)")
     decode = (gpt2_decoder(model, cache, mask, P + max_new_tokens) if fused else None) or \
         _ForwardStep(model, cache, mask)
     logits = out.logits[:, -1]  # [B, V]

@@ -105,7 +105,7 @@ def build_data(cfg: DictConfig, fixed_prompt: str | None = None, policy=None) ->
         # many batches per epoch, so every DDP process gets full batches after the sampler splits them
         return PromptData([prompt] * t.prompts_per_step * 64, [prompt] * t.val_prompts,
                           t.prompts_per_step, t.val_prompts, cfg.seed)
-    train, val = load_prompts(cfg.dataset)
+    train, val = load_prompts(cfg.dataset, policy)
     if policy is not None:
         check_prompt_lengths(cfg.dataset, policy, train, val[:t.val_prompts])
     return PromptData(train, val, t.prompts_per_step, t.val_prompts, cfg.seed)
