@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs the pinned RL libraries that klbench-audit runs (the `libraries` extra) into the active venv,
 # without letting pip replace torch or pull CUDA wheels: every package goes in with --no-deps, and only the
-# small packages that the libraries' KL code needs at import time are added (TRL: accelerate; verl's
+# small packages that the libraries' KL code needs at import time are added (TRL: accelerate, and datasets
+# with its own pure-Python/wheel imports dill, multiprocess, xxhash, which TRL's trainers import; verl's
 # package __init__: ray, tensordict and their pure-Python imports). OpenRLHF and AReaL need none: the
 # adapters load their KL code without their heavy imports (see klbench/libraries/openrlhf.py, areal.py).
 set -euo pipefail
 pip install -q --no-deps \
   trl==1.16.0 verl==0.9.1 openrlhf==0.11.2 areal==1.0.4 torchtune==0.6.1 \
-  accelerate==1.15.0 \
+  accelerate==1.15.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 \
   ray==2.60.0 tensordict==0.15.3 pyvers==0.2.3 codetiming==1.4.0 orjson==3.13.0 msgpack==1.2.4 \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 python - <<'PY'

@@ -21,9 +21,16 @@ def load(name: str) -> Library:
         return module.load()
     except LibraryMissing:
         raise
-    except ImportError as e:  # installed but its import chain is incomplete
-        raise LibraryMissing(f"{name}: installed but cannot be imported ({type(e).__name__}: {e}); "
-                             f"bash scripts/install_libraries.sh") from e
+    except Exception as e:  # installed but its import chain is incomplete (TRL's lazy modules raise RuntimeError)
+        raise LibraryMissing(f"{name}: installed but cannot be imported ({last_line(e)}); "
+                             f"pip install --no-deps {name}=={PINNED[name]}  (or: bash scripts/install_libraries.sh)"
+                             ) from e
+
+
+def last_line(e: BaseException) -> str:
+    """The last non-empty line of an exception's message, with its type: what the table shows of it."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
 
 
 __all__ = ["LIBRARIES", "PINNED", "Library", "LibraryMissing", "Setting", "load"]
