@@ -11,6 +11,10 @@ pip install -q --no-deps \
   accelerate==1.15.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 \
   ray==2.60.0 tensordict==0.15.3 pyvers==0.2.3 codetiming==1.4.0 orjson==3.13.0 msgpack==1.2.4 \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+# skyrl-train's wheel says Python ==3.12 but is pure Python; the adapter loads its ppo_utils.py by path, which
+# imports jaxtyping (with wadler-lindig) and loguru besides ray and omegaconf
+pip install -q --no-deps --ignore-requires-python skyrl-train==0.3.1
+pip install -q --no-deps jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
 python - <<'PY'
 import importlib.metadata as m
 v = m.version("torch")

@@ -153,7 +153,10 @@ class TabularModel:
         owner = torch.arange(M).repeat_interleave(n)  # [M * n]
         surr = _as_tensor(surrogate(self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour)),
                           M * n)
-        g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
+        if surr.requires_grad:
+            g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
+        else:  # a loss computed under no_grad (skyrl-train 0.3.1's KL loss): backward gives the optimiser nothing
+            g = torch.zeros(M, theta.numel(), dtype=theta.dtype)
         mean = (w.unsqueeze(-1) * g).sum(0)
         trace = (w * (g ** 2).sum(-1)).sum() - (mean ** 2).sum()
         return Moments(mean.reshape(theta.shape), float(trace))

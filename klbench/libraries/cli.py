@@ -14,19 +14,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from klbench.libraries import LIBRARIES
+from klbench.libraries import ALL
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="klbench-audit", description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="*", help=f"libraries ({', '.join(LIBRARIES)}) or settings (e.g. trl.grpo)")
+    p.add_argument("names", nargs="*", help=f"libraries ({', '.join(ALL)}) or settings (e.g. trl.grpo)")
     p.add_argument("--all", action="store_true", help="every library")
     p.add_argument("--markdown", metavar="PATH", help="also write the generated docs page here")
     p.add_argument("--mlflow", action="store_true",
                    help="log the table as an artifact of an MLflow run (default when MLFLOW_TRACKING_URI is set)")
     p.add_argument("--experiment", default="library-audit", help="MLflow experiment name (default library-audit)")
     a = p.parse_args(argv)
-    names = list(LIBRARIES) if a.all else a.names
+    names = list(ALL) if a.all else a.names
     if not names:
         p.error("name a library or setting, or pass --all")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
