@@ -24,7 +24,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, TypeAdap
 from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and imported from here by callers)
 from klbench.config.explain import explain
 from klbench.estimators.options import (REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
-                                        InRewardOptions, LibraryOptions, Options)
+                                        InRewardOptions, LibraryOptions, Options, setting_task)
 from klbench.models import DTYPES
 from klbench.models.prompts_jsonl import read_prompts
 from klbench.probe.config import ProbeOptions
@@ -431,6 +431,10 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
             raise ConfigError(f"task.reward_coef={t.reward_coef} needs a reward, but reward=none")
     elif teacher is not None:
         raise ConfigError(f"a teacher (model@teacher) only applies to task=distill (and task=probe), not task={task}")
+    if e.name == "library" and setting_task(e.setting) != task:
+        kind = "an on-policy distillation loss" if setting_task(e.setting) == "distill" else "an RL KL penalty"
+        raise ConfigError(f"estimator.setting={e.setting} is {kind}: it belongs to task={setting_task(e.setting)}, "
+                          f"not task={task} (`klbench-audit --all` lists each task's settings)")
     _check_tabular_pair(cfg, teacher)
     n = t.n_samples
     _check_placement(t, e, OmegaConf.select(cfg, "kl_ctl.name"))

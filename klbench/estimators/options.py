@@ -70,6 +70,14 @@ SETTING = (f"a library setting such as trl.grpo or verl.kl_penalty.low_var_kl (l
            f"{', '.join(LIBRARY_NAMES)}; `klbench-audit --all` lists every setting)")
 
 
+def setting_task(setting: str) -> str:
+    """The task a library setting belongs to, read from its name: "<library>.distill.*" settings are on-policy
+    distillation losses (task=distill), every other one a KL penalty against a reference (task=rl). Every
+    adapter names its settings so (tests/test_libraries.py checks it against Setting.task)."""
+    parts = str(setting).split(".")
+    return "distill" if len(parts) > 2 and parts[1] == "distill" else "rl"
+
+
 class LibraryOptions(Options):
     """estimator=library: the KL code of an installed RL library as the gradient estimator (klbench.libraries).
     The setting's full name is checked when the library loads: its settings are known only to its adapter."""
