@@ -24,7 +24,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, TypeAdap
 from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and imported from here by callers)
 from klbench.config.explain import explain
 from klbench.estimators.options import (REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
-                                        InRewardOptions, LibraryOptions, Options, setting_task)
+                                        InRewardOptions, LibraryOptions, Options, TopKTailOptions, TopKTruncOptions,
+                                        VOPDOptions, setting_task)
 from klbench.models import DTYPES
 from klbench.models.prompts_jsonl import read_prompts
 from klbench.probe.config import ProbeOptions
@@ -129,7 +130,23 @@ class EstimatorLibrary(LibraryOptions):
     beta: Beta
 
 
-EstimatorOption = Union[Estimator, EstimatorNaiveCV, EstimatorInReward, EstimatorInLoss, EstimatorLibrary]
+class EstimatorVOPD(VOPDOptions):
+    name: Literal["vopd"]
+    beta: Beta
+
+
+class EstimatorTopKTail(TopKTailOptions):
+    name: Literal["topk_tail"]
+    beta: Beta
+
+
+class EstimatorTopKTrunc(TopKTruncOptions):
+    name: Literal["topk_trunc"]
+    beta: Beta
+
+
+EstimatorOption = Union[Estimator, EstimatorNaiveCV, EstimatorInReward, EstimatorInLoss, EstimatorLibrary,
+                        EstimatorVOPD, EstimatorTopKTail, EstimatorTopKTrunc]
 # estimators that take samples from pi_old (task.inner_steps > 1); in_loss only with a ratio. `library` runs
 # a library's own off-policy code, which need not correct for pi_old: that is what docs/libraries.md audits
 OFF_POLICY_ESTIMATORS = ("rb", "in_reward", "in_loss", "library")
