@@ -15,6 +15,10 @@ pip install -q --no-deps \
 # imports jaxtyping (with wadler-lindig) and loguru besides ray and omegaconf
 pip install -q --no-deps --ignore-requires-python skyrl-train==0.3.1
 pip install -q --no-deps jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
+# tinker-cookbook's on-policy distillation module imports the tinker SDK (an HTTP client of the remote service,
+# never called here: the adapter stands in for the teacher's client) and these small packages
+pip install -q --no-deps tinker-cookbook==0.6.1 tinker==0.38.0 chz==0.4.0 httpx==0.28.1 sniffio==1.3.1 \
+  distro==1.9.0 termcolor==3.3.0 blobfile==3.3.0 lxml==6.1.3
 python - <<'PY'
 import importlib.metadata as m
 v = m.version("torch")

@@ -129,6 +129,16 @@ for est in ("k1", "abs", "k2", "k3"):
     EXPECTED[(f"skyrl_train.{est}", "on")] = ("zero", est == "k3")
     EXPECTED[(f"skyrl_train.{est}", "off")] = ("zero", est == "k3")
 
+# tinker-cookbook's incorporate_kl_penalty: kl_discount_factor 0 (default) is each token's own log-ratio as its
+# advantage, the prefix-fixed KL(student || teacher); 1 sums the log-ratios to come, the full gradient. Off-policy
+# the advantage is the sampler's log-ratio, as in verl.kl_in_reward.kl: none of the above
+EXPECTED.update({
+    ("tinker_cookbook.distill.discount0", "on"): ("partial_kl_pi_ref", False),
+    ("tinker_cookbook.distill.discount0", "off"): ("none of the above", False),
+    ("tinker_cookbook.distill.discount1", "on"): ("kl_pi_ref", False),
+    ("tinker_cookbook.distill.discount1", "off"): ("none of the above", False),
+})
+
 _LIBS: dict = {}
 
 
@@ -166,7 +176,7 @@ def test_cell(setting, policy):
 
 def test_every_setting_has_an_expected_cell():
     names = []
-    for lib in ("trl", "verl", "openrlhf", "areal", "skyrl_train"):
+    for lib in ("trl", "verl", "openrlhf", "areal", "skyrl_train", "tinker_cookbook"):
         try:
             names += list(load(lib).settings)
         except LibraryMissing:
@@ -183,7 +193,7 @@ def test_verl_refuses_k1_backprop():
 def test_a_settings_name_says_its_task():
     from klbench.estimators.options import setting_task
 
-    for lib in ("trl", "verl", "openrlhf", "areal", "skyrl_train"):
+    for lib in ("trl", "verl", "openrlhf", "areal", "skyrl_train", "tinker_cookbook"):
         try:
             settings = load(lib).settings.values()
         except LibraryMissing:

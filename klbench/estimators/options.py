@@ -81,7 +81,7 @@ class TopKTruncOptions(Options):
 
 
 # the libraries klbench.libraries has adapters for (an estimator=library setting starts with one of them)
-LIBRARY_NAMES = ("trl", "verl", "openrlhf", "areal", "torchtune", "skyrl_train")
+LIBRARY_NAMES = ("trl", "verl", "openrlhf", "areal", "torchtune", "skyrl_train", "tinker_cookbook")
 SETTING = (f"a library setting such as trl.grpo or verl.kl_penalty.low_var_kl (library one of "
            f"{', '.join(LIBRARY_NAMES)}; `klbench-audit --all` lists every setting)")
 

@@ -12,7 +12,7 @@ from klbench.estimators.options import LIBRARY_NAMES as LIBRARIES  # declared wi
 from klbench.libraries.unavailable import UNAVAILABLE
 
 PINNED = {"trl": "1.16.0", "verl": "0.9.1", "openrlhf": "0.11.2", "areal": "1.0.4", "torchtune": "0.6.1",
-          "skyrl_train": "0.3.1"}
+          "skyrl_train": "0.3.1", "tinker_cookbook": "0.6.1"}
 # every name `klbench-audit --all` reports: the runnable libraries, then those listed with why they cannot run here
 ALL = tuple(LIBRARIES) + tuple(UNAVAILABLE)
 

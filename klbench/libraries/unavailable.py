@@ -8,10 +8,6 @@ UNAVAILABLE = {
     "skyrl": ("skyrl 0.4.0", "the release with SkyRL #1353's fix (compute_approx_kl without @torch.no_grad()) "
               "requires Python >=3.12, and its ppo_utils imports skyrl.backends (cloudpathlib, skyrl.tinker) and "
               "skyrl.train.config, a runtime klbench does not install; not run"),
-    "tinker_cookbook": ("tinker-cookbook 0.6.1", "its KL-penalty reward (distillation/train_on_policy.py, "
-                        "incorporate_kl_penalty, kl_discount_factor) is an async function of tinker.Datum objects "
-                        "that asks a remote tinker.SamplingClient for the teacher's log-probs; the module imports "
-                        "the tinker API SDK, chz and tml-renderers, which klbench does not install; not run"),
     "nemo_rl": ("nemo-rl", "not on PyPI as a release (the name holds a 0.0.0 placeholder); installed from "
                 "GitHub with its CUDA stack only"),
     "slime": ("slime", "not on PyPI (THUDM/slime is installed from its repository inside a Megatron image)"),
