@@ -46,7 +46,8 @@ def test_readme_install_path_runs_the_audit(tmp_path):
     r = subprocess.run(["klbench-audit", "--all"], env=env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
-    for lib in ("trl 1.16.0", "verl 0.9.1", "openrlhf 0.11.2", "areal 1.0.4", "skyrl_train 0.3.1", "tinker_cookbook 0.6.1"):
+    for lib in ("trl 1.16.0", "verl 0.9.1", "openrlhf 0.11.2", "areal 1.0.4", "skyrl_train 0.3.1",
+                "tinker_cookbook 0.6.1"):
         rows = [ln for ln in r.stdout.splitlines() if ln.startswith(lib)]
         assert rows and not any("skipped" in ln for ln in rows), f"{lib}: {rows[:2]}"
     assert "trl.grpo " in r.stdout and "trl.distill.beta1 " in r.stdout and "partial_kl_pi_ref" in r.stdout
