@@ -1,9 +1,9 @@
-"""docs/verdicts.md: each verdict's exact audit (klbench/libraries/verdicts.py), pinned, and the CLI that writes it."""
+"""docs/verdicts.md: each verdict's exact audit (klbench/exact/verdicts.py), pinned, and the CLI that writes it."""
 from __future__ import annotations
 
 import pytest
 
-from klbench.libraries import verdicts
+from klbench.exact import verdicts
 
 
 @pytest.fixture(scope="module")

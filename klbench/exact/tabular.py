@@ -294,6 +294,23 @@ def default_instances() -> list[tuple[TabularModel, torch.Tensor]]:
     return out
 
 
+def fixed_length_instances() -> list:
+    """Three instances without EOS: every response has T tokens (the conditions of arguments made per token)."""
+    out = []
+    for seed, (K, T) in enumerate([(3, 3), (4, 3), (3, 4)]):
+        model = TabularModel(K, T, eos=None, seed=700 + seed)
+        out.append((model, model.random_policy(seed=800 + seed)))
+    return out
+
+
+def near_reference_instances(scale: float = 0.05) -> list:
+    """pi = pi_ref + a small perturbation of the logits (variable lengths): where first-order arguments live."""
+    out = []
+    for model, _ in default_instances():
+        out.append((model, model.ref_logits + model.random_policy(seed=900 + model.K, scale=scale)))
+    return out
+
+
 def behaviour_tables(instances: list[tuple[TabularModel, torch.Tensor]], behaviour: Behaviour) -> list:
     """One behaviour table [P, K] (or None) per instance. behaviour: None (on-policy); a float s, for
     pi_old = theta + s * N(0, 1) with a fixed seed per instance; a callable (model, theta) -> table; or a

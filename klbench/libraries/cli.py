@@ -4,7 +4,7 @@
   klbench-audit trl verl.kl_penalty.k3+
   klbench-audit --all --markdown docs/libraries.md
   klbench-audit --all --mlflow        also log the table as an artifact of an MLflow run
-  klbench-audit --verdicts docs/verdicts.md   the verdicts on open proposals (klbench/libraries/verdicts.py)
+  klbench-audit --verdicts docs/verdicts.md   the verdicts on open proposals (klbench/exact/verdicts.py)
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _verdicts(path: str) -> None:
     """docs/verdicts.md: each verdict's exact audit, with the installed TRL's own sequence-level cell if TRL loads."""
-    from klbench.libraries import verdicts
+    from klbench.exact import verdicts
     from klbench.libraries.audit import run
 
     start = time.perf_counter()
