@@ -36,7 +36,8 @@ def table(instances: list) -> list[str]:
         report = audit(est, instances=instances, tol=1e-9)
         err = {r.candidate: r.rel_error for r in report.rows}
         ratios = [m.gradient_moments(est, th).trace / r for (m, th), r in zip(instances, rb)]
-        lines.append(f"| {label(name, opts)} | {report.match} | {err['kl_pi_ref']:.3g} | {err['partial_kl_pi_ref']:.3g} "
+        lines.append(f"| {label(name, opts)} | {report.match} | {err['kl_pi_ref']:.3g} "
+                     f"| {err['partial_kl_pi_ref']:.3g} "
                      f"| {', '.join(f'{x:.3f}' for x in ratios)} |")
     return lines
 

@@ -92,10 +92,12 @@ EXPECTED[("openrlhf.reward.k3", "off")] = ("none of the above", True)
 # prefix-fixed KL(student || teacher) and beta 0 the prefix-fixed KL(teacher || student); the JSD and a temperature
 # follow none; per-token ratios are absent, so off-policy each becomes its "@old" form
 EXPECTED.update({
-    ("trl.distill.beta0", "on"): ("partial_kl_ref_pi", False), ("trl.distill.beta0", "off"): ("partial_kl_ref_pi@old", False),
+    ("trl.distill.beta0", "on"): ("partial_kl_ref_pi", False),
+    ("trl.distill.beta0", "off"): ("partial_kl_ref_pi@old", False),
     ("trl.distill.beta0.5", "on"): ("none of the above", False),
     ("trl.distill.beta0.5", "off"): ("none of the above", False),
-    ("trl.distill.beta1", "on"): ("partial_kl_pi_ref", False), ("trl.distill.beta1", "off"): ("partial_kl_pi_ref@old", False),
+    ("trl.distill.beta1", "on"): ("partial_kl_pi_ref", False),
+    ("trl.distill.beta1", "off"): ("partial_kl_pi_ref@old", False),
     ("trl.distill.beta1.temperature2", "on"): ("none of the above", False),
     ("trl.distill.beta1.temperature2", "off"): ("none of the above", False),
 })

@@ -67,7 +67,7 @@ class TopKTail(Estimator):
     """topk_tail: per position, the KL over the policy's k most likely tokens H_t exactly (autodiffed) plus the
     tail's mass by the sampled token, inside rb's structure (path-wise part + future-only score term):
 
-        khat_t = sum_{v in H_t} pi(v) (log pi(v) - log pi_ref(v)) + 1[y_t not in H_t] rho_t     (E[khat_t | y_<t] = kappa_t)
+        khat_t = sum_{v in H_t} pi(v) (log pi(v) - log pi_ref(v)) + 1[y_t not in H_t] rho_t   (E[khat_t|y_<t] = kappa_t)
         L = sum_t [ head_t + 1[y_t not in H_t] sg(rho_t + 1) l_t ] + sum_t sg(sum_{s>t} khat_s) l_t
 
     The tail's path-wise gradient sum_{v not in H} pi(v) (rho(v) + 1) grad log pi(v) is estimated by its one

@@ -85,7 +85,8 @@ def run_case(case: Case) -> dict:
             out[policy] = "-"
             continue
         if case.compare_to is not None:
-            fed = Case(case.label, _as_fed(case.loss)[0], case.n, case.instances, compare_to=_as_fed(case.compare_to)[0])
+            fed = Case(case.label, _as_fed(case.loss)[0], case.n, case.instances,
+                       compare_to=_as_fed(case.compare_to)[0])
             gap, size = _gap(fed, behaviour if policy == "off" else None)
             out[policy] = f"relative gap {gap:.3g} (norm ratio {size:.3g})"
         else:
@@ -161,10 +162,11 @@ def verdicts(library_cells: dict | None = None) -> list[Verdict]:
             lambda r: float(r[0]["on"].split()[2]) < 1e-6,  # identical under the blog's own conditions
             "k1 and k3 are interchangeable in the reward.",
             "the mean of r - 1 is zero but the mean of (r - 1) grad log pi is not: it is -grad of the prefix-fixed "
-            "KL(pi_ref || pi) (relative gap 0 in the second row), even under the blog's own conditions. The claim holds only where pi = pi_ref at every prefix (r = 1), i.e. at the first "
-            "step; near pi_ref the two terms cancel and k3's per-token gradient is a small fraction of k1's (norm "
-            "ratio above), "
-            "and under the usual sequence-level conditions k3 follows no KL gradient."),
+            "KL(pi_ref || pi) (relative gap 0 in the second row), even under the blog's own conditions. The claim "
+            "holds only where pi = pi_ref at every prefix (r = 1): in RL the first step from pi = pi_ref, in "
+            "distillation never (the student starts away from the teacher); near pi_ref the two terms cancel and "
+            "k3's per-token gradient is a small fraction of k1's (norm ratio above), and under the usual "
+            "sequence-level conditions k3 follows no KL gradient."),
         Verdict(
             "the per-token ratio for TRL's bias correction under sequence-level IS", "TRL #7188",
             "With importance_sampling_level=\"sequence\", the k3 bias correction (use_bias_correction_kl) should "
