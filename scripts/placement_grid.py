@@ -42,6 +42,10 @@ CELLS = [  # (cell, estimator, options, n, known name)
     ("k3 in loss x W", "in_loss", {"value": "k3", "ratio": "sequence", "ratio_grad": "differentiable"}, 1, ""),
     ("k3 in loss x sg(W)", "in_loss", {"value": "k3", "ratio": "sequence"}, 1, ""),
     ("rb (exact per-position KL)", "rb", {}, 1, "`rb`"),
+    ("k1 in reward-to-go minus kappa_t", "vopd", {}, 1, "`vopd` (vOPD)"),
+    ("k1 in per-token reward minus kappa_t", "vopd", {"form": "token"}, 1, "`vopd` form=token"),
+    ("exact top-k head + tail sample", "topk_tail", {"k": 2}, 1, "`topk_tail` (NeMo-RL #3608)"),
+    ("teacher top-k truncated KL in loss", "topk_trunc", {"k": 2}, 1, "`topk_trunc` (pitfall)"),
 ]
 
 

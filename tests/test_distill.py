@@ -24,7 +24,7 @@ from tiny_lms import save_sharpened_variant
 from test_config import compose_cfg
 
 TABULAR = ["experiment=distill_tabular", "task.max_steps=20", "task.val_every=10"]
-ESTIMATORS = ("token", "seq", "cumulative", "loo", "rb")
+ESTIMATORS = ("token", "seq", "cumulative", "loo", "rb", "vopd", "topk_tail", "topk_trunc")
 
 
 def only_run(cfg):
@@ -42,7 +42,7 @@ def exact_seq_kl(student: TabularModel, theta: torch.Tensor, teacher: TabularMod
 
 # ---- tabular: the metric is the exact sequence KL, and every sound estimator lowers it ----
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("estimator", [e for e in ESTIMATORS if e != "topk_trunc"])  # the pitfall falls short
 def test_tabular_distill_lowers_the_exact_kl(tmp_path, single_thread, estimator):
     cfg = compose_cfg(tmp_path, TABULAR + [f"estimator={estimator}"])
     out = run(cfg)
@@ -273,7 +273,7 @@ def test_cli_reads_the_store_runs_write(tmp_path, synthetic_store, monkeypatch, 
 @pytest.mark.parametrize("experiment,kind", [("distill_estimators", "embedded"),
                                              ("distill_estimators_tabular", "tabular")])
 def test_comparison_configs(experiment, kind):
-    """Five estimators x three seeds at one step budget, the report callback, and no hydra.mode (users pass -m)."""
+    """Eight estimators x three seeds at one step budget, the report callback, and no hydra.mode (users pass -m)."""
     from klbench.config.compose import compose
     cfg = compose([f"experiment={experiment}"], hydra=True)
     params = cfg.hydra.sweeper.params
@@ -285,7 +285,7 @@ def test_comparison_configs(experiment, kind):
 
 
 def test_distill_estimators_multirun_end_to_end(tmp_path):
-    """`klbench -m experiment=distill_estimators_tabular`, shrunk: 5 estimators x 1 seed, then the report
+    """`klbench -m experiment=distill_estimators_tabular`, shrunk: 8 estimators x 1 seed, then the report
     (the only test of the multirun + callback wiring, so it stays in the default set despite its time)."""
     env = {**os.environ, "KLBENCH_OUTPUTS": str(tmp_path / "outputs"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)

@@ -87,6 +87,60 @@ EXPECTED[("openrlhf.reward.k2", "off")] = ("none of the above", False)
 EXPECTED[("openrlhf.reward.k3", "on")] = ("none of the above", True)
 EXPECTED[("openrlhf.reward.k3", "off")] = ("none of the above", True)
 
+# on-policy distillation (Setting.task "distill"; pi = student, pi_ref = teacher): TRL's DistillationTrainer loss
+# autodiffs the full-vocabulary divergence at each sampled prefix, so beta 1 (reverse KL, the default) follows the
+# prefix-fixed KL(student || teacher) and beta 0 the prefix-fixed KL(teacher || student); the JSD and a temperature
+# follow none; per-token ratios are absent, so off-policy each becomes its "@old" form
+EXPECTED.update({
+    ("trl.distill.beta0", "on"): ("partial_kl_ref_pi", False),
+    ("trl.distill.beta0", "off"): ("partial_kl_ref_pi@old", False),
+    ("trl.distill.beta0.5", "on"): ("none of the above", False),
+    ("trl.distill.beta0.5", "off"): ("none of the above", False),
+    ("trl.distill.beta1", "on"): ("partial_kl_pi_ref", False),
+    ("trl.distill.beta1", "off"): ("partial_kl_pi_ref@old", False),
+    ("trl.distill.beta1.temperature2", "on"): ("none of the above", False),
+    ("trl.distill.beta1.temperature2", "off"): ("none of the above", False),
+})
+# verl's distillation_loss: backpropagated, each estimator audits as verl's kl_penalty in the loss (k1 refused by
+# verl itself); with use_policy_gradient the detached per-token loss is a per-token advantage, so only k1 (= kl)
+# is the prefix-fixed KL(student || teacher); forward_kl_topk with k = V is the prefix-fixed KL(teacher || student)
+# and truncated (k = 2) none; its policy-gradient form has zero expected gradient on-policy (the teacher's top-k
+# KL does not depend on the sampled token). Off-policy the PPO ratio clip fires (core_algos.py compute_policy_loss_vanilla)
+K1_REFUSED = "raised ValueError: Directly backpropagating k1 loss is incorrect since gradient of k1 loss wrt model weights"
+VERL_DISTILL = {  # mode -> (backprop on, off), (policy gradient on, off); clamps: kl_penalty's [-10, 10] value
+    # clamp (core_algos.py) for low_var_kl and k3, and off-policy with policy gradient the PPO ratio clip
+    "kl": (("zero", "none of the above"), ("partial_kl_pi_ref", "none of the above")),
+    "k1": ((None, None), ("partial_kl_pi_ref", "none of the above")),
+    "abs": (("none of the above", "none of the above"), ("none of the above", "none of the above")),
+    "mse": (("partial_kl_pi_ref", "none of the above"), ("none of the above", "none of the above")),
+    "k2": (("partial_kl_pi_ref", "none of the above"), ("none of the above", "none of the above")),
+    "low_var_kl": (("none of the above", "none of the above"), ("none of the above", "none of the above")),
+    "k3": (("none of the above", "none of the above"), ("none of the above", "none of the above")),
+    "forward_kl_topk": (("partial_kl_ref_pi", "partial_kl_ref_pi@old"), ("zero", "none of the above")),
+    "forward_kl_topk.k2": (("none of the above", "none of the above"), ("zero", "none of the above")),
+}
+for mode, (bp, pg) in VERL_DISTILL.items():
+    value_clamp = mode in ("low_var_kl", "k3")
+    for suffix, (on, off) in (("", bp), (".pg", pg)):
+        if on is not None:
+            EXPECTED[(f"verl.distill.{mode}{suffix}", "on")] = (on, value_clamp)
+            EXPECTED[(f"verl.distill.{mode}{suffix}", "off")] = (off, value_clamp or suffix == ".pg")
+# skyrl-train 0.3.1: compute_approx_kl runs under @torch.no_grad(), so its KL loss has no gradient (SkyRL #1340);
+# k3's value clamp to [-10, 10] fires besides
+for est in ("k1", "abs", "k2", "k3"):
+    EXPECTED[(f"skyrl_train.{est}", "on")] = ("zero", est == "k3")
+    EXPECTED[(f"skyrl_train.{est}", "off")] = ("zero", est == "k3")
+
+# tinker-cookbook's incorporate_kl_penalty: kl_discount_factor 0 (default) is each token's own log-ratio as its
+# advantage, the prefix-fixed KL(student || teacher); 1 sums the log-ratios to come, the full gradient. Off-policy
+# the advantage is the sampler's log-ratio, as in verl.kl_in_reward.kl: none of the above
+EXPECTED.update({
+    ("tinker_cookbook.distill.discount0", "on"): ("partial_kl_pi_ref", False),
+    ("tinker_cookbook.distill.discount0", "off"): ("none of the above", False),
+    ("tinker_cookbook.distill.discount1", "on"): ("kl_pi_ref", False),
+    ("tinker_cookbook.distill.discount1", "off"): ("none of the above", False),
+})
+
 _LIBS: dict = {}
 
 
@@ -124,12 +178,38 @@ def test_cell(setting, policy):
 
 def test_every_setting_has_an_expected_cell():
     names = []
-    for lib in ("trl", "verl", "openrlhf", "areal"):
+    for lib in ("trl", "verl", "openrlhf", "areal", "skyrl_train", "tinker_cookbook"):
         try:
             names += list(load(lib).settings)
         except LibraryMissing:
             continue
-    assert sorted({s for s, _ in EXPECTED if s.split(".")[0] in {n.split(".")[0] for n in names}}) == sorted(names)
+    expected = {s for s, _ in EXPECTED} | {"verl.distill.k1"}  # refused by verl: test_verl_refuses_k1_backprop
+    assert sorted({s for s in expected if s.split(".")[0] in {n.split(".")[0] for n in names}}) == sorted(names)
+
+
+def test_verl_refuses_k1_backprop():
+    cells = run_setting("verl", "0.9.1", _library("verl").settings["verl.distill.k1"])
+    assert all(c.match.startswith(K1_REFUSED) for c in cells), [c.match for c in cells]
+
+
+def test_a_settings_name_says_its_task():
+    from klbench.estimators.options import setting_task
+
+    for lib in ("trl", "verl", "openrlhf", "areal", "skyrl_train", "tinker_cookbook"):
+        try:
+            settings = load(lib).settings.values()
+        except LibraryMissing:
+            continue
+        for s in settings:
+            assert setting_task(s.name) == s.task, s.name
+    assert setting_task("trl.distill.beta1") == "distill" and setting_task("trl.grpo") == "rl"
+
+
+def test_libraries_that_cannot_run_here_are_rows_with_the_reason():
+    cells = run(["slime", "skyrl"])
+    assert [(c.library, c.policy) for c in cells] == [("slime", "-"), ("skyrl", "-")]
+    assert cells[0].match == "skipped: slime: not on PyPI (THUDM/slime is installed from its repository inside a Megatron image)"
+    assert "requires Python >=3.12" in cells[1].match
 
 
 def test_rloo_off_policy_relative_errors_as_in_the_issue():

@@ -171,10 +171,21 @@ DISTILL = ["experiment=distill_tabular"]
     (["model=tabular"], "model=tabular needs reward=tabular or reward=none"),
     (["reward=tabular"], "reward=tabular needs model=tabular"),
     (["task=pretrain", "model=tabular"], "task=pretrain builds the embedded LMs"),
+    (["estimator=library", "estimator.setting=trl.distill.beta1"],
+     r"^estimator.setting=trl.distill.beta1 is an on-policy distillation loss: it belongs to task=distill, not "
+     r"task=rl \("),
+    (DISTILL + ["estimator=library", "estimator.beta=1", "estimator.setting=verl.kl_penalty.k3"],
+     r"^estimator.setting=verl.kl_penalty.k3 is an RL KL penalty: it belongs to task=rl, not task=distill \("),
 ])
 def test_bad_combination(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
         validate(compose_cfg(tmp_path, overrides))
+
+
+def test_a_library_setting_of_its_own_task_validates(tmp_path):
+    validate(compose_cfg(tmp_path, DISTILL + ["estimator=library", "estimator.beta=1",
+                                              "estimator.setting=verl.distill.k3.pg"]))
+    validate(compose_cfg(tmp_path, ["estimator=library", "estimator.setting=skyrl_train.k3"]))
 
 
 def test_rloo_needs_no_group_without_a_reward_term(tmp_path):

@@ -19,7 +19,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 METRIC = "val/seq_kl"  # rb on fresh student samples (LM) or exact (tabular): never the training estimator
-ORDER = ("token", "seq", "cumulative", "loo", "rb")  # plot and table order; other estimators follow
+# plot and table order; other estimators follow
+ORDER = ("token", "seq", "cumulative", "loo", "rb", "vopd", "topk_tail", "topk_trunc")
 BASELINE = "token"
 
 

@@ -24,7 +24,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, TypeAdap
 from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and imported from here by callers)
 from klbench.config.explain import explain
 from klbench.estimators.options import (REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
-                                        InRewardOptions, LibraryOptions, Options)
+                                        InRewardOptions, LibraryOptions, Options, TopKTailOptions, TopKTruncOptions,
+                                        VOPDOptions, setting_task)
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
 from klbench.models.prompts_jsonl import read_prompts
 from klbench.probe.config import ProbeOptions
@@ -144,7 +145,23 @@ class EstimatorLibrary(LibraryOptions):
     beta: Beta
 
 
-EstimatorOption = Union[Estimator, EstimatorNaiveCV, EstimatorInReward, EstimatorInLoss, EstimatorLibrary]
+class EstimatorVOPD(VOPDOptions):
+    name: Literal["vopd"]
+    beta: Beta
+
+
+class EstimatorTopKTail(TopKTailOptions):
+    name: Literal["topk_tail"]
+    beta: Beta
+
+
+class EstimatorTopKTrunc(TopKTruncOptions):
+    name: Literal["topk_trunc"]
+    beta: Beta
+
+
+EstimatorOption = Union[Estimator, EstimatorNaiveCV, EstimatorInReward, EstimatorInLoss, EstimatorLibrary,
+                        EstimatorVOPD, EstimatorTopKTail, EstimatorTopKTrunc]
 # estimators that take samples from pi_old (task.inner_steps > 1); in_loss only with a ratio. `library` runs
 # a library's own off-policy code, which need not correct for pi_old: that is what docs/libraries.md audits
 OFF_POLICY_ESTIMATORS = ("rb", "in_reward", "in_loss", "library")
@@ -479,6 +496,10 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
     if teacher is not None and OmegaConf.select(cfg, "teacher.lora.r") is not None:
         raise ConfigError(f"teacher.lora.r={cfg.teacher.lora.r}: the teacher is the frozen pi_ref and does not "
                           "train; LoRA is the student's option (model.lora.r)")
+    if e.name == "library" and setting_task(e.setting) != task:
+        kind = "an on-policy distillation loss" if setting_task(e.setting) == "distill" else "an RL KL penalty"
+        raise ConfigError(f"estimator.setting={e.setting} is {kind}: it belongs to task={setting_task(e.setting)}, "
+                          f"not task={task} (`klbench-audit --all` lists each task's settings)")
     _check_tabular_pair(cfg, teacher)
     n = t.n_samples
     _check_placement(t, e, OmegaConf.select(cfg, "kl_ctl.name"))

@@ -19,7 +19,7 @@ def __getattr__(name: str):
     if name not in _NAMES:  # a submodule (`from klbench.estimators import values`) is imported by Python then
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from klbench.estimators import base, batch, chunked
-    from klbench.estimators import gradients, placement, values  # noqa: F401  (register, in this order)
+    from klbench.estimators import gradients, opd, placement, values  # noqa: F401  (register, in this order)
     modules = {"base": base, "batch": batch, "chunked": chunked}
     globals().update({n: getattr(modules[m], n) for n, m in _NAMES.items()})
     return globals()[name]

@@ -64,10 +64,34 @@ class InLossOptions(PlacementOptions):
     ratio_grad: Literal["detached", "differentiable"] = "detached"
 
 
+class VOPDOptions(Options):
+    """vopd (klbench.estimators.opd): the score term's form; its baseline is always the exact kappa_t."""
+    form: Literal["reward_to_go", "token"] = "reward_to_go"
+
+
+class TopKTailOptions(Options):
+    """topk_tail: the size of the policy's head whose KL is summed exactly (k <= the vocabulary size)."""
+    k: int = Field(2, ge=1)
+
+
+class TopKTruncOptions(Options):
+    """topk_trunc (a pitfall): the size of the top-k set and whose top-k it is."""
+    k: int = Field(2, ge=1)
+    head: Literal["teacher", "policy"] = "teacher"
+
+
 # the libraries klbench.libraries has adapters for (an estimator=library setting starts with one of them)
-LIBRARY_NAMES = ("trl", "verl", "openrlhf", "areal", "torchtune")
+LIBRARY_NAMES = ("trl", "verl", "openrlhf", "areal", "torchtune", "skyrl_train", "tinker_cookbook")
 SETTING = (f"a library setting such as trl.grpo or verl.kl_penalty.low_var_kl (library one of "
            f"{', '.join(LIBRARY_NAMES)}; `klbench-audit --all` lists every setting)")
+
+
+def setting_task(setting: str) -> str:
+    """The task a library setting belongs to, read from its name: "<library>.distill.*" settings are on-policy
+    distillation losses (task=distill), every other one a KL penalty against a reference (task=rl). Every
+    adapter names its settings so (tests/test_libraries.py checks it against Setting.task)."""
+    parts = str(setting).split(".")
+    return "distill" if len(parts) > 2 and parts[1] == "distill" else "rl"
 
 
 class LibraryOptions(Options):
@@ -79,7 +103,9 @@ class LibraryOptions(Options):
 
 # the estimators with options, by registered name; every other estimator takes none
 GRADIENT_OPTIONS: dict[str, type[Options]] = {"naive_cv": ControlVariateOptions, "in_reward": InRewardOptions,
-                                              "in_loss": InLossOptions, "library": LibraryOptions}
+                                              "in_loss": InLossOptions, "library": LibraryOptions,
+                                              "vopd": VOPDOptions, "topk_tail": TopKTailOptions,
+                                              "topk_trunc": TopKTruncOptions}
 VALUE_OPTIONS: dict[str, type[Options]] = {"cv": ControlVariateOptions}
 
 # The value estimators klbench reports, by label -> (registered name, options): train/kl_<label> at every

@@ -223,7 +223,10 @@ class TabularModel:
         batch = self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour, sampling=sampling,
                            target=target)
         surr = _as_tensor(surrogate(batch), M * n)
-        g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
+        if surr.requires_grad:
+            g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
+        else:  # a loss computed under no_grad (skyrl-train 0.3.1's KL loss): backward gives the optimiser nothing
+            g = torch.zeros(M, theta.numel(), dtype=theta.dtype)
         mean = (w.unsqueeze(-1) * g).sum(0)
         trace = (w * (g ** 2).sum(-1)).sum() - (mean ** 2).sum()
         return Moments(mean.reshape(theta.shape), float(trace))
@@ -386,6 +389,23 @@ def default_instances() -> list[tuple[TabularModel, torch.Tensor]]:
     for seed, (K, T, eos) in enumerate([(3, 3, None), (4, 3, 0), (3, 4, 0)]):
         model = TabularModel(K, T, eos=eos, seed=100 + seed)
         out.append((model, model.random_policy(seed=200 + seed)))
+    return out
+
+
+def fixed_length_instances() -> list:
+    """Three instances without EOS: every response has T tokens (the conditions of arguments made per token)."""
+    out = []
+    for seed, (K, T) in enumerate([(3, 3), (4, 3), (3, 4)]):
+        model = TabularModel(K, T, eos=None, seed=700 + seed)
+        out.append((model, model.random_policy(seed=800 + seed)))
+    return out
+
+
+def near_reference_instances(scale: float = 0.05) -> list:
+    """pi = pi_ref + a small perturbation of the logits (variable lengths): where first-order arguments live."""
+    out = []
+    for model, _ in default_instances():
+        out.append((model, model.ref_logits + model.random_policy(seed=900 + model.K, scale=scale)))
     return out
 
 

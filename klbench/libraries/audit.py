@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from klbench.exact.tabular import audit
-from klbench.libraries import LIBRARIES, PINNED, LibraryMissing, Setting, load
+from klbench.libraries import ALL, PINNED, LibraryMissing, Setting, load
 from klbench.libraries.base import ClampRecorder
 
 BEHAVIOUR = 0.5  # pi_old = theta + 0.5 N(0, 1), as in docs/placement.md
@@ -28,6 +28,7 @@ class Cell:
     note: str = ""
     transcription: str = ""  # klbench's worked example of the same setting (klbench.exact.examples), if any
     transcription_match: str = ""  # what that transcription audits as under the same policy
+    task: str = "rl"  # Setting.task: "rl" (pi_ref a reference) or "distill" (pi = student, pi_ref = teacher)
 
 
 # klbench's own worked examples of these settings (klbench/exact/examples.py) and the samples per prompt they
@@ -55,7 +56,8 @@ def run_setting(library: str, version: str, s: Setting) -> list[Cell]:
     cells = []
     for policy, behaviour in (("on", None), ("off", BEHAVIOUR)):
         rec = ClampRecorder()
-        cell = Cell(library, version, s.name, policy, "", source=s.source, aggregation=s.aggregation, note=s.note)
+        cell = Cell(library, version, s.name, policy, "", source=s.source, aggregation=s.aggregation, note=s.note,
+                    task=s.task)
         if s.name in TRANSCRIPTIONS:
             cell.transcription, cell.transcription_match = _transcription(s.name, behaviour)
         try:
@@ -82,8 +84,8 @@ def resolve(names: list[str]) -> list[tuple[str, str | None]]:
     out = []
     for n in names:
         lib = n.split(".")[0]
-        if lib not in LIBRARIES:
-            raise ValueError(f"unknown library {lib!r} in {n!r}; known: {', '.join(LIBRARIES)}")
+        if lib not in ALL:
+            raise ValueError(f"unknown library {lib!r} in {n!r}; known: {', '.join(ALL)}")
         out.append((lib, None if n == lib else n))
     return out
 
@@ -95,7 +97,7 @@ def run(names: list[str]) -> list[Cell]:
         try:
             lib = load(lib_name)
         except LibraryMissing as e:
-            cells.append(Cell(lib_name, PINNED[lib_name], setting or "*", "-", f"skipped: {e}"))
+            cells.append(Cell(lib_name, PINNED.get(lib_name, "-"), setting or "*", "-", f"skipped: {e}"))
             continue
         if setting is not None and setting not in lib.settings:
             raise ValueError(f"unknown setting {setting!r}; valid: {', '.join(lib.settings)}")
@@ -133,33 +135,50 @@ def markdown(cells: list[Cell], seconds: float) -> str:
             f"Audit run time: {seconds:.1f} s.", "",
             "Where klbench's own worked example of a setting (klbench/exact/examples.py, a transcription of the",
             "math, not the library's code) audits differently from the library's code, both are shown.", "",
-            "Every setting also trains as an estimator (`estimator=library estimator.setting=<setting>`); what",
-            "TRL's default GRPO KL and verl's `low_var_kl` do to the reward-KL frontier, against `rb`, is in",
+            "Every setting also trains as an estimator (`estimator=library estimator.setting=<setting>`; RL settings",
+            "with `task=rl`, distillation settings with `task=distill`); what TRL's default GRPO KL and verl's",
+            "`low_var_kl` do to the reward-KL frontier, against `rb`, is in",
             "[library-estimators.md](library-estimators.md).", "",
-            "| library | setting | on-policy | off-policy | clamp fired | code (file:line) | aggregation | options |",
-            "|---|---|---|---|---|---|---|---|"]
-    rows, seen = [], {}
+            "## RL: a KL penalty against the reference pi_ref", ""]
+    table = ["| library | setting | on-policy | off-policy | clamp fired | code (file:line) | aggregation | options |",
+             "|---|---|---|---|---|---|---|---|"]
+    distill_head = ["", "## On-policy distillation: pi = the student, pi_ref = the teacher", "",
+                    "The same audit, read with pi = student and pi_ref = teacher: `kl_pi_ref` is the gradient of",
+                    "KL(student || teacher) over whole sequences, `kl_ref_pi` of KL(teacher || student), and the",
+                    "`partial_` forms hold the sampled prefixes fixed (each position's distribution matched to the",
+                    "teacher's, no credit for steering later prefixes). Samples come from the student (on-policy) or",
+                    "from an older student (off-policy).", ""]
+    rows = {"rl": [], "distill": []}
+    missing, seen = [], {}
     for c in cells:
         seen.setdefault((c.library, c.setting), []).append(c)
     for (lib, setting), cs in seen.items():
         if cs[0].policy == "-":
-            rows.append(f"| {lib} {cs[0].version} | {setting} | {cs[0].match} | | | | | |")
+            missing.append(f"| {lib} {cs[0].version} | {setting} | {cs[0].match} |")
             continue
         on, off = cs[0], cs[1]
-        clamps = sorted(set(on.clamps) | set(off.clamps))
         clamp = "; ".join(f"{p}: {','.join(c.clamps)}" for p, c in (("on", on), ("off", off)) if c.clamps) or "no"
-        rows.append(f"| {lib} {on.version} | `{setting}` | {_md_match(on)} | {_md_match(off)} | {clamp} | "
-                    f"`{on.source}` | {on.aggregation} | {on.note} |")
+        out = rows[on.task]
+        out.append(f"| {lib} {on.version} | `{setting}` | {_md_match(on)} | {_md_match(off)} | {clamp} | "
+                   f"`{on.source}` | {on.aggregation} | {on.note} |")
         if on.transcription:
             differs = "; **differs from the library**" if (on.transcription_match, off.transcription_match) != (
                 on.match, off.match) else ""
-            rows.append(f"| klbench | `{on.transcription}` (transcription of `{setting}`{differs}) | "
-                        f"{_md_match_str(on.transcription_match)} | {_md_match_str(off.transcription_match)} "
-                        f"| | `klbench/exact/examples.py` | | |")
+            out.append(f"| klbench | `{on.transcription}` (transcription of `{setting}`{differs}) | "
+                       f"{_md_match_str(on.transcription_match)} | {_md_match_str(off.transcription_match)} "
+                       f"| | `klbench/exact/examples.py` | | |")
+    body = head + table + rows["rl"]
+    if rows["distill"]:
+        body += distill_head + table + rows["distill"]
+    if missing:
+        body += ["", "## Not audited here", "", "Libraries (or settings) that did not run, each with the reason:",
+                 "not installed, another version, an import that fails (its last line and the pip line), or",
+                 "a library that cannot be installed on this platform (klbench/libraries/unavailable.py).", "",
+                 "| library | setting | reason |", "|---|---|---|"] + missing
     detail = ["", "## Relative errors", "", "| setting | policy | relative error against each candidate |",
               "|---|---|---|"]
     detail += [f"| `{c.setting}` | {c.policy} | {_errors(c)} |" for c in cells if c.rel_errors]
-    return "\n".join(head + rows + detail) + "\n"
+    return "\n".join(body + detail) + "\n"
 
 
 def _md_match(c: Cell) -> str:

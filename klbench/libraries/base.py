@@ -37,6 +37,9 @@ class Setting:
     source: str  # "path/in/package.py:line" of the library code that runs
     aggregation: str  # how the per-sequence loss is formed from the library's per-token output
     note: str = ""
+    # "rl": a KL penalty against pi_ref; "distill": on-policy distillation, pi = student, pi_ref = teacher, so
+    # the candidates read kl_pi_ref = KL(student || teacher), kl_ref_pi = KL(teacher || student)
+    task: str = "rl"
 
 
 @dataclass

@@ -4,6 +4,7 @@
   klbench-audit trl verl.kl_penalty.k3+
   klbench-audit --all --markdown docs/libraries.md
   klbench-audit --all --mlflow        also log the table as an artifact of an MLflow run
+  klbench-audit --verdicts docs/verdicts.md   the verdicts on open proposals (klbench/exact/verdicts.py)
 """
 from __future__ import annotations
 
@@ -14,22 +15,27 @@ import tempfile
 import time
 from pathlib import Path
 
-from klbench.libraries import LIBRARIES
+from klbench.libraries import ALL
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="klbench-audit", description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="*", help=f"libraries ({', '.join(LIBRARIES)}) or settings (e.g. trl.grpo)")
+    p.add_argument("names", nargs="*", help=f"libraries ({', '.join(ALL)}) or settings (e.g. trl.grpo)")
     p.add_argument("--all", action="store_true", help="every library")
     p.add_argument("--markdown", metavar="PATH", help="also write the generated docs page here")
     p.add_argument("--mlflow", action="store_true",
                    help="log the table as an artifact of an MLflow run (default when MLFLOW_TRACKING_URI is set)")
     p.add_argument("--experiment", default="library-audit", help="MLflow experiment name (default library-audit)")
+    p.add_argument("--verdicts", metavar="PATH", help="write the verdicts on open proposals (docs/verdicts.md) here")
     a = p.parse_args(argv)
-    names = list(LIBRARIES) if a.all else a.names
-    if not names:
-        p.error("name a library or setting, or pass --all")
+    names = list(ALL) if a.all else a.names
+    if not names and not a.verdicts:
+        p.error("name a library or setting, or pass --all or --verdicts PATH")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.verdicts:
+        _verdicts(a.verdicts)
+        if not names:
+            return 0
     from klbench.libraries.audit import markdown, run, text_table
 
     start = time.perf_counter()
@@ -53,6 +59,33 @@ def main(argv: list[str] | None = None) -> int:
         for line in mlflow_ui_lines(uri, exp_id, rid):  # links open in the Model training view
             print(f"  {line}")
     return 0
+
+
+def _verdicts(path: str) -> None:
+    """docs/verdicts.md: each verdict's exact audit, with the installed TRL's own sequence-level cell if TRL loads."""
+    from klbench.exact import verdicts
+    from klbench.libraries.audit import run
+
+    start = time.perf_counter()
+    quoted = {}
+    cells = [c for c in run(["trl.grpo.sequence_is"]) if c.policy != "-"] if _loads("trl") else []
+    if cells:
+        quoted["trl.grpo.sequence_is"] = (cells[0].match, cells[1].match)
+    vs = verdicts.run(quoted)
+    page = verdicts.markdown(vs, time.perf_counter() - start)
+    Path(path).write_text(page)
+    for v in vs:
+        print(f"{v.title}: {'holds' if v.holds(v.results[len(v.results) - len(v.cases):]) else 'does not hold'}")
+    print(f"wrote {path}")
+
+
+def _loads(name: str) -> bool:
+    from klbench.libraries import LibraryMissing, load
+    try:
+        load(name)
+        return True
+    except LibraryMissing:
+        return False
 
 
 def _log(table: str, page: str, seconds: float, experiment: str) -> tuple[str, str, str]:

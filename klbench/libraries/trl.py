@@ -1,4 +1,5 @@
-"""TRL: the real `GRPOTrainer._compute_loss` and `RLOOTrainer._compute_loss`, called once per sequence.
+"""TRL: the real `GRPOTrainer._compute_loss` and `RLOOTrainer._compute_loss`, called once per sequence; and
+DistillationTrainer's divergence loss (settings trl.distill.*, see _distill_settings).
 
 Each trainer is built with `object.__new__` (no model, no dataset, no generation), its attributes set from
 a real `GRPOConfig` / `RLOOConfig` (so TRL's own defaults apply unless a setting overrides one) as
@@ -163,4 +164,49 @@ def load() -> Library:
     acc = _accelerator()
     for t in trainers:
         t.accelerator = acc
+    _distill_settings(lib)
     return lib
+
+
+# ---- on-policy distillation: DistillationTrainer's loss (trl/trainer/distillation_trainer.py) ----
+# setting -> (beta, temperature). beta selects the divergence (TRL's docstring: 0 forward KL, 1 reverse KL,
+# else the generalised JSD); temperature divides both models' logits inside the loss. DistillationConfig's
+# top_k (and top_p, min_p) reach only the GenerationConfig that samples completions, never the loss, so they
+# change which samples arrive, not the gradient a sample gives: no setting of their own.
+DISTILL_SETTINGS = {
+    "trl.distill.beta0": (0.0, 1.0),
+    "trl.distill.beta0.5": (0.5, 1.0),
+    "trl.distill.beta1": (1.0, 1.0),  # DistillationConfig's default beta
+    "trl.distill.beta1.temperature2": (1.0, 2.0),
+}
+
+
+def _distill_settings(lib: Library) -> None:
+    """DistillationTrainer._compute_loss hands the student's and teacher's last hidden states and lm_heads to
+    the module function _chunked_divergence_loss, which projects them to logits and runs TRL's
+    ChunkedDivergenceFunction (its own forward and backward). The adapter calls that function with the
+    logits themselves as hidden states and an identity lm_head [V, V] (logits = h @ I), one sequence at a
+    time with num_items_in_batch = 1, so each sequence's loss is its token sum (TRL divides by the global
+    batch's token count, a per-step constant)."""
+    from trl.trainer import distillation_trainer as dt
+    from trl.trainer.distillation_config import DistillationConfig
+
+    default_beta = DistillationConfig.__dataclass_fields__["beta"].default
+    src = source_of(dt._chunked_divergence_loss)
+    for name, (beta, temperature) in DISTILL_SETTINGS.items():
+        def loss(batch: KLBatch, beta=beta, temperature=temperature) -> torch.Tensor:
+            K = batch.logits.shape[-1]
+            eye = torch.eye(K, dtype=batch.logits.dtype, device=batch.logits.device)  # [V, H = V]
+            teacher = batch.ref_logits.detach()
+            out = []
+            for b in range(batch.logits.shape[0]):
+                value, _, _ = dt._chunked_divergence_loss(batch.logits[b:b + 1], teacher[b:b + 1], eye, eye,
+                                                          batch.mask[b:b + 1].long(), beta, num_items_in_batch=1,
+                                                          temperature=temperature)
+                out.append(value)
+            return torch.stack(out)
+
+        note = f"beta={beta}, temperature={temperature}" + (" (defaults)" if beta == default_beta and
+                                                             temperature == 1.0 else "")
+        lib.settings[name] = Setting(name, loss, src, "token sum per sequence (_chunked_divergence_loss, full "
+                                     "vocabulary, autodiff through TRL's own backward)", note, task="distill")

@@ -1,4 +1,5 @@
-"""verl: `verl.trainer.ppo.core_algos.kl_penalty`, every kl_loss_type, as the actor's KL loss (use_kl_loss=True);
+"""verl: on-policy distillation's `distillation_loss` (settings verl.distill.*, see _distill_settings below);
+`verl.trainer.ppo.core_algos.kl_penalty`, every kl_loss_type, as the actor's KL loss (use_kl_loss=True);
 the actor's whole `ppo_loss` (verl/workers/utils/losses.py) with use_kl_loss=True; and the use_kl_in_reward path.
 
 kl_penalty alone (settings verl.kl_penalty.*): the per-sequence loss is the masked token sum of kl_penalty's
@@ -134,4 +135,76 @@ def load() -> Library:
             f"verl.kl_in_reward.{kind}", reward_loss, src,
             "in the reward on old_log_probs (as ray_trainer.apply_kl_penalty); return-to-go REINFORCE (klbench's)",
             "use_kl_in_reward=True, kl_penalty=" + kind + (" (default)" if kind == "kl" else ""))
+    _distill_settings(lib, ActorConfig)
     return lib
+
+
+# ---- on-policy distillation: verl/trainer/distillation/losses.py ----
+# every registered loss_mode, each with use_policy_gradient false (the per-token loss backpropagated, "as in
+# arXiv 2306.13649") and true (its negative as a per-token advantage of verl's vanilla PPO policy loss, "as in
+# the Thinking Machines blog"). DistillationLossConfig's defaults otherwise: loss_mode k3,
+# use_policy_gradient True, loss_max_clamp 10, log_prob_min_clamp -10, topk 128.
+DISTILL_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk")
+TOPK_ON_TABULAR = {"forward_kl_topk": None, "forward_kl_topk.k2": 2}  # None: k = V, the whole vocabulary
+
+
+def _distill_row(dl, fsdp_losses, loss_config, actor_config, batch: KLBatch, b: int, old, ref, topk):
+    """verl's distillation_loss on sequence b: model_output and data laid out as _row_data does, plus the
+    teacher's sampled-token log-probs (estimator modes) or the top-k loss that verl's logits processor
+    (fsdp/losses.py compute_forward_kl_topk, run here on the student's logits) puts in model_output."""
+    from verl.workers.config import DistillationConfig
+
+    dist_config = DistillationConfig(distillation_loss=loss_config)
+    model_output, data = _row_data(batch, b, old, ref)
+    L = int(batch.mask[b].sum())
+    if loss_config.loss_mode == "forward_kl_topk":
+        pad = torch.zeros_like(batch.logits[b, :1])  # the unused last position of prompt + response
+        student = torch.cat([batch.logits[b, :L], pad])[None]  # [1, 1 + L, V]
+        teacher = torch.log_softmax(torch.cat([batch.ref_logits[b, :L], pad]).detach(), -1)  # [1 + L, V]
+        k = teacher.shape[-1] if topk is None else topk
+        top_lp, top_ids = teacher.topk(k, -1)  # [1 + L, k]: what the teacher's engine returns
+        nested = [torch.nested.nested_tensor([t], layout=torch.jagged) for t in (top_lp, top_ids)]
+        out = fsdp_losses.compute_forward_kl_topk(student, *nested, dist_config, "thd")
+        model_output.update({key: v[0] for key, v in out.items()})  # [1 + L] each
+    else:
+        teacher = torch.cat([ref[b, :L], torch.zeros(1, dtype=ref.dtype, device=ref.device)])  # [1 + L]
+        # nested [1, 1 + L, 1] as verl's teacher worker returns it, shifted as log_probs
+        data["teacher_logprobs"] = torch.nested.nested_tensor([teacher[:, None]], layout=torch.jagged)
+    return dl.distillation_loss(actor_config, dist_config, model_output, data)[0]
+
+
+def _distill_settings(lib: Library, ActorConfig) -> None:
+    import contextlib
+    import io
+
+    from verl.trainer.distillation import losses as dl
+    from verl.trainer.distillation.fsdp import losses as fsdp_losses
+    from verl.workers.config import DistillationLossConfig
+
+    defaults = DistillationLossConfig()  # prints nothing: k3 with policy gradient
+    actor_config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)  # loss_agg token-mean
+    src = source_of(dl.distillation_loss)
+    modes = [m for m in DISTILL_MODES if m != "forward_kl_topk"] + list(TOPK_ON_TABULAR)
+    for mode in modes:
+        loss_mode = mode.split(".")[0]
+        for pg in (False, True):
+            name = f"verl.distill.{mode}" + (".pg" if pg else "")
+
+            def loss(batch: KLBatch, loss_mode=loss_mode, pg=pg, topk=TOPK_ON_TABULAR.get(mode)) -> torch.Tensor:
+                # built per call: k1 without policy gradient is refused by verl's own __post_init__, and that
+                # refusal is this cell's result; forward_kl_topk with pg prints a warning, silenced here
+                with contextlib.redirect_stdout(io.StringIO()):
+                    config = DistillationLossConfig(loss_mode=loss_mode, use_policy_gradient=pg)
+                old = old_or_current(batch)
+                ref = torch.where(batch.mask, batch.ref_logp, torch.zeros((), dtype=batch.ref_logp.dtype))
+                return torch.stack([_distill_row(dl, fsdp_losses, config, actor_config, batch, b, old, ref, topk)
+                                    for b in range(batch.logp.shape[0])])
+
+            is_default = loss_mode == defaults.loss_mode and pg == defaults.use_policy_gradient
+            topk = TOPK_ON_TABULAR.get(mode, "-")
+            note = (f"loss_mode={loss_mode}, use_policy_gradient={pg}" + (" (defaults)" if is_default else "") +
+                    (f", topk={'V (all)' if topk is None else topk}" if topk != "-" else "") +
+                    f", loss_max_clamp={defaults.loss_max_clamp}, log_prob_min_clamp={defaults.log_prob_min_clamp}")
+            agg = ("per-token advantage -loss_t of vanilla PPO (per-token ratio)" if pg else
+                   "token sum per sequence (token-mean, batch_num_tokens = 1), backpropagated")
+            lib.settings[name] = Setting(name, loss, src, agg, note, task="distill")
