@@ -22,7 +22,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from klbench.record import interrupts
-from klbench.sweep import parent, signals, study, trial
+from klbench.record.redact import redact
+from klbench.sweep import jobs, parent, signals, study, trial
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class SweepTracking(Callback):
         self.tracking_uri: str | None = None
         self.study: tuple[str, str] | None = None  # (name, storage)
         self.n_trials: int | None = None  # the study's total, as this invocation was given it
+        self.refused = False  # another process runs this study: this one ends at once, saying so
 
     def __getstate__(self) -> dict:
         # submitit pickles this object into every trial's job file in the sweep folder; the URLs (which may
@@ -57,9 +59,13 @@ class SweepTracking(Callback):
         except Exception as e:
             # Hydra downgrades callback exceptions to warnings; a sweep that would mix into another
             # study, or whose trials could not be tracked, must not start.
+            self.refused = isinstance(e, jobs.StudyBusy)
             raise SystemExit(f"klbench sweep: {type(e).__name__}: {e}") from e
 
     def _start(self, config: DictConfig) -> None:
+        sw = config.hydra.sweeper
+        if sw.get("study_name") and sw.get("storage"):  # first: a refused sweep leaves nothing behind
+            jobs.claim(Path(config.paths.outputs), sw.study_name, redact(str(sw.storage)))
         Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
         os.makedirs(config.paths.outputs, exist_ok=True)  # SQLite creates no folders
         n_trials = config.hydra.sweeper.get("n_trials")  # as given: prepare_study turns it into what is missing
@@ -78,6 +84,14 @@ class SweepTracking(Callback):
         parent.abandon(self.tracking_uri, self.parent_run_id)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.refused:  # its one line said it all; the study and its folder are the other process's
+            return
+        try:
+            self._end(config)
+        finally:
+            jobs.release_claims()
+
+    def _end(self, config: DictConfig) -> None:
         sweep_dir = Path(config.hydra.sweep.dir).resolve()
         # Hydra calls this in a `finally`: what ends the sweep is the exception being handled, if any
         if (sig := interrupts.signal_of(sys.exc_info()[1])) is not None:

@@ -65,6 +65,8 @@ def prepare_study(config: DictConfig):
 
     from klbench.sweep import jobs
     from klbench.sweep import storage as resilient
+    from klbench.record.store import open_optuna
+    open_optuna(storage)  # a fresh optuna.db: created by one sweep while others wait
     resilient.install(storage)
     dirs = sw.direction if OmegaConf.is_list(sw.direction) else [sw.direction]
     study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
