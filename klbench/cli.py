@@ -2,6 +2,8 @@
 
 The config is checked (klbench.config.schema) before torch, Lightning or MLflow are imported, so a bad value
 fails at once (measured: docs/record.md, "Every bad value is stopped"), leaves no MLflow run and no run folder.
+A run stopped by SIGTERM or Ctrl-C exits 143 or 130 after one line with its folder and its resume command
+(klbench.record.interrupts; docs/record.md, "A stopped job says so").
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 One place resolves the outputs folder and the MLflow tracking URI for every command (runs, sweeps,
 `klbench-pareto`, `klbench-distill-report`). A SQLite store is created or checked exactly once per
 process, under an inter-process file lock next to the database: MLflow migrates a fresh database on
-first open, and parallel first opens race on that migration and can leave it half-done.
+first open, and parallel first opens race on that migration and can leave it half-done. A sweep's SQLite
+Optuna storage (optuna.db) is created under the same kind of lock (`open_optuna`).
 
 A fresh store is a copy of an empty one: MLflow's chain of schema migrations (each step its own
 transaction: most of a short run's record cost) runs once per machine and MLflow version, into a
