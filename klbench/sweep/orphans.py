@@ -85,8 +85,8 @@ def settle_orphans(study, stale: list, folders: list[Path] = (), runs: list = ()
         if values is not None:
             used.add(run.info.run_id)
             study.tell(t.number, values=values)
-            log.warning("trial %d finished though %s: result %s taken from its MLflow run %s", t.number, cause,
-                        values, run.info.run_id)
+            log.warning("trial %d finished though %s: result %s taken from its job (MLflow run %s)", t.number,
+                        cause, values, run.info.run_id)
             continue
         if run is not None and run.info.status == "FAILED":
             used.add(run.info.run_id)
