@@ -171,9 +171,40 @@ def test_the_same_sweep_started_while_it_runs_is_refused(tmp_path):
     assert sorted(t.state.name for t in trials) == ["FAIL", "FAIL", "WAITING", "WAITING"], trials
 
 
+OPEN_STUDY = """
+import os, sys, time
+from pathlib import Path
+from klbench.config.compose import compose
+from klbench.sweep.study import prepare_study
+outputs, go, est = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+cfg = compose(["sweep=rl_beta", "experiment=tabular", f"estimator={est}"], outputs=outputs, hydra=True)
+while not go.exists():  # every process starts opening the fresh optuna.db at the same moment
+    time.sleep(0.005)
+print(prepare_study(cfg).study_name)
+"""
+
+
+def test_sweeps_started_at_once_on_a_fresh_outputs_folder_all_open_their_studies(tmp_path):
+    """optuna.db is created under a lock: of sweeps opening a fresh one at once, some used to die with
+    sqlite3.IntegrityError on alembic_version, or `table study_directions already exists`. Six sweeps'
+    study opening (klbench.sweep.study.prepare_study, as the sweep's start calls it), behind a barrier."""
+    outputs, go = tmp_path / "outputs", tmp_path / "go"
+    outputs.mkdir()
+    ests = ["seq", "loo", "rb", "token", "cumulative", "naive_mc"]
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_STUDY, str(outputs), str(go), est], env=cli_env(outputs),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for est in ests]
+    time.sleep(8)  # each has composed its config and waits at the barrier
+    go.touch()
+    outs = [p.communicate(timeout=180) for p in procs]
+    last_lines = [err.strip().splitlines()[-1][:300] for _, err in outs if err.strip()]
+    assert [p.returncode for p in procs] == [0] * 6, last_lines
+    assert sorted(optuna.get_all_study_names(f"sqlite:///{outputs}/optuna.db")) == sorted(
+        f"klbench-rl_beta-{e}-tabular" for e in ests)
+
+
 def test_two_sweeps_at_once_on_a_fresh_outputs_folder_both_work(tmp_path):
-    """optuna.db is created under a lock: one sweep used to die with sqlite3.IntegrityError on
-    alembic_version, or `table study_directions already exists`."""
+    """The issue's scenario as a user meets it (it failed 3 times in 3 there; the test above is the one
+    that fails reliably without the lock)."""
     outputs = tmp_path / "outputs"
     procs = [start(outputs, *sweep_args(tmp_path / est, f"estimator={est}", "hydra.sweeper.n_trials=1",
                                         "task.max_steps=10")) for est in ("seq", "loo")]
