@@ -3,9 +3,9 @@ MLflow record (training and the probe).
 
 - A run is RUNNING while it works, FINISHED only when its task's block completes (for training: after
   its last step and final validation), FAILED (error in the `klbench.error` tag) on an exception, KILLED
-  when interrupted (Ctrl-C, SIGTERM, a requeue; a signal becomes klbench.record.interrupts.Stopped) or, for `kill -9`, when something notices its process is
-  gone (klbench.record.runs.reap). Lightning does not set the status: its loggers finalise the run after
-  the step-0 `validate()`.
+  when interrupted (Ctrl-C, SIGTERM, a requeue; after a signal, klbench.record.interrupts.Stopped carries
+  on) or, for `kill -9`, when something notices its process is gone (klbench.record.runs.reap).
+  Lightning does not set the status: its loggers finalise the run after the step-0 `validate()`.
 - Metrics computed before a failure are committed: they show how the run failed. When the store itself
   stopped taking the record (its server does not answer, its disk is full), the run is marked FAILED in
   one quick try and RecordUnavailable says so.
