@@ -2,6 +2,8 @@
 
 The config is checked (klbench.config.schema) before torch, Lightning or MLflow are imported, so a bad value
 fails at once (measured: docs/record.md, "Every bad value is stopped"), leaves no MLflow run and no run folder.
+A run stopped by SIGTERM or Ctrl-C exits 143 or 130 after one line with its folder and its resume command
+(klbench.record.interrupts; docs/record.md, "A stopped job says so").
 """
 from __future__ import annotations
 
@@ -10,6 +12,11 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+
+from klbench.record import interrupts
+
+if __name__ == "__main__" or Path(sys.argv[0]).name == "klbench":  # the command, not a test importing this
+    interrupts.install(early=True)  # Ctrl-C while Hydra loads: one line too
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -25,6 +32,19 @@ register()  # the klbench_* resolvers conf/ uses (klbench/config/resolvers.py)
 @hydra.main(config_path=str(ROOT / "conf"), config_name="config",
             execution_whitelist=("klbench.*",))
 def main(cfg: DictConfig) -> tuple[float, float] | None:
+    interrupts.install()  # first: Ctrl-C while torch loads is a stop too, not a traceback
+    try:
+        return _main(cfg)
+    except BaseException as e:
+        if (sig := interrupts.signal_of(e)) is None:
+            raise
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # the sweep stops too (klbench.sweep.callback)
+            raise (e if isinstance(e, interrupts.Stopped) else interrupts.Stopped(sig)) from e
+        print(f"klbench: {stopped_advice(e, sig, Path(cfg.paths.ckpt_dir) / 'last.ckpt')}", file=sys.stderr)
+        sys.exit(128 + sig)
+
+
+def _main(cfg: DictConfig) -> tuple[float, float] | None:
     try:
         check(cfg)
     except ValueError as e:
@@ -71,9 +91,25 @@ def unavailable_advice(e, ckpt: Path) -> str:
               f"MLflow run {e.run_id} could not be marked FAILED: it shows RUNNING until klbench next opens "
               "this store and marks it KILLED")
     when = "there is free space" if "disk is full" in e.why else "the server answers"
+    return f"{e.why}; {status}. {resume_advice(ckpt, when)}"
+
+
+def stopped_advice(e: BaseException, sig: int, ckpt: Path) -> str:
+    """A run stopped by a signal: which, what became of its MLflow run, its folder and how to resume it."""
+    status = ""
+    if isinstance(e, interrupts.Stopped) and e.run_id:
+        status = (f"; MLflow run {e.run_id} is marked KILLED" if e.marked else
+                  f"; MLflow run {e.run_id} could not be marked KILLED: it shows RUNNING until klbench next "
+                  "opens this store and marks it KILLED")
+    folder = HydraConfig.get().runtime.output_dir
+    return f"stopped by {interrupts.name(sig)}{status}. Run folder {folder}. {resume_advice(ckpt)}"
+
+
+def resume_advice(ckpt: Path, when: str = "") -> str:
+    """How to go on with a run that stopped: from its folder's checkpoint, or from the start without one."""
     if not ckpt.is_file():
-        return f"{e.why}; {status}. No checkpoint was written yet: start it again once {when}"
-    return f"{e.why}; {status}. Once {when}, resume it from {ckpt.name}: {resume_command()}"
+        return "No checkpoint was written yet: start it again" + (f" once {when}" if when else "")
+    return (f"Once {when}, resume" if when else "Resume") + f" it from {ckpt.name}: {resume_command()}"
 
 
 def resume_command() -> str:

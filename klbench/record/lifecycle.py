@@ -3,9 +3,9 @@ MLflow record (training and the probe).
 
 - A run is RUNNING while it works, FINISHED only when its task's block completes (for training: after
   its last step and final validation), FAILED (error in the `klbench.error` tag) on an exception, KILLED
-  when interrupted (Ctrl-C, SIGTERM, a requeue) or, for `kill -9`, when something notices its process is
-  gone (klbench.record.runs.reap). Lightning does not set the status: its loggers finalise the run after
-  the step-0 `validate()`.
+  when interrupted (Ctrl-C, SIGTERM, a requeue; after a signal, klbench.record.interrupts.Stopped carries
+  on) or, for `kill -9`, when something notices its process is gone (klbench.record.runs.reap).
+  Lightning does not set the status: its loggers finalise the run after the step-0 `validate()`.
 - Metrics computed before a failure are committed: they show how the run failed. When the store itself
   stopped taking the record (its server does not answer, its disk is full), the run is marked FAILED in
   one quick try and RecordUnavailable says so.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from klbench.record import store
+from klbench.record import interrupts, store
 from klbench.record.redact import redact
 from klbench.record.tracking import RecordLogger, build_logger
 
@@ -83,7 +83,11 @@ def recorded(logger):
         _end_quietly(logger, "FAILED", f"{type(e).__name__}: {e}", commit=True)
         raise
     except BaseException as e:  # KeyboardInterrupt, SystemExit (SIGTERM, a requeue): it may resume
-        _end_quietly(logger, "KILLED", f"interrupted: {type(e).__name__} {e}".strip(), commit=False)
+        sig = interrupts.signal_of(e)
+        why = f"interrupted: {interrupts.name(sig)}" if sig else f"interrupted: {type(e).__name__} {e}".strip()
+        marked = _end_quietly(logger, "KILLED", why, commit=False)
+        if sig:  # the CLI says where the run is and how to resume it, and exits 128 + sig
+            raise interrupts.Stopped(sig, logger.run_id, marked) from e
         raise
 
 

@@ -3,7 +3,8 @@
 One place resolves the outputs folder and the MLflow tracking URI for every command (runs, sweeps,
 `klbench-pareto`, `klbench-distill-report`). A SQLite store is created or checked exactly once per
 process, under an inter-process file lock next to the database: MLflow migrates a fresh database on
-first open, and parallel first opens race on that migration and can leave it half-done.
+first open, and parallel first opens race on that migration and can leave it half-done. A sweep's SQLite
+Optuna storage (optuna.db) is created under the same kind of lock (`open_optuna`).
 
 A fresh store is a copy of an empty one: MLflow's chain of schema migrations (each step its own
 transaction: most of a short run's record cost) runs once per machine and MLflow version, into a
@@ -82,6 +83,29 @@ def open_store(uri: str, create: bool = True, template_dir: str | os.PathLike | 
     except OSError as e:  # read-only folder, a file where a folder should be, a full disk
         raise StoreError(f"cannot open the MLflow store {path}: {e.strerror or e}") from e
     _checked.add(uri)
+
+
+def open_optuna(url: str) -> None:
+    """A SQLite Optuna storage created once, under a file lock next to it, as the MLflow store is: Optuna
+    creates its tables and stamps its schema version on first open, and two sweeps opening a fresh
+    optuna.db at once race on that (sqlite3.IntegrityError on alembic_version, "table study_directions
+    already exists"). Database servers (store=server) pass through: their storage is the server's business."""
+    path = sqlite_path(url)
+    if path is None or url in _checked:
+        return
+    from filelock import FileLock, Timeout
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S):
+            from optuna.storages import RDBStorage
+            RDBStorage(url).engine.dispose()  # creates the tables and stamps their version, or checks them
+    except Timeout:
+        raise StoreError(f"waited {LOCK_TIMEOUT_S} s for the lock {path}.lock: another process is creating "
+                         f"the Optuna storage {path} and does not finish; if none is running, delete the lock "
+                         "file") from None
+    except OSError as e:  # read-only folder, a file where a folder should be, a full disk
+        raise StoreError(f"cannot open the Optuna storage {path}: {e.strerror or e}") from e
+    _checked.add(url)
 
 
 def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None,

@@ -133,6 +133,53 @@ def results(sweep_dir: Path) -> list:
     return returns
 
 
+# ---- one sweep process per study: the same command started again while it runs is refused ----
+
+_claims: dict[Path, int] = {}  # the lock files this process holds, by path: their open descriptors
+
+
+class StudyBusy(RuntimeError):
+    """Another live process runs this study (the same sweep command, or one with the same study name)."""
+
+
+def claim(outputs: Path, study: str, storage: str) -> None:
+    """Makes this process the one that runs `study` until it ends: an exclusive lock (flock) on the study's
+    lock file in the outputs folder's registry, which the system releases when the process ends (kill -9
+    included). Raises StudyBusy, naming the process that holds it. `storage`: the URL without its password.
+    Two processes running one study would each run the trials it lacks (duplicates that TPE then samples
+    from), and each would take the other's RUNNING trials for a dead sweep's."""
+    import fcntl
+    path = _registry_file(outputs, study, storage).with_suffix(".lock")
+    if path in _claims:
+        return
+    (outputs / REGISTRY.parent).mkdir(mode=0o700, parents=True, exist_ok=True)
+    (outputs / REGISTRY).mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = ""
+        for _ in range(20):  # the holder writes its name just after it takes the lock
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            if holder:
+                break
+            time.sleep(0.05)
+        os.close(fd)
+        raise StudyBusy(f"study {study!r} in {storage} is being run by {holder or 'another process'}: "
+                        "wait for it to end and run this command again (it then resumes the study), or give "
+                        "this sweep a study of its own with hydra.sweeper.study_name=<new name>") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} (since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}, lock {path})".encode(), 0)
+    _claims[path] = fd
+
+
+def release_claims() -> None:
+    """Ends this process's claims (the sweep's end; the process's end does it too)."""
+    while _claims:
+        os.close(_claims.popitem()[1])
+
+
 # ---- which sweep folder was a study's: recorded by this user, never taken from the study database ----
 
 def _registry_file(outputs: Path, study: str, storage: str) -> Path:

@@ -60,8 +60,10 @@ def trial_runs(config: DictConfig, study) -> list:
         return []
 
 
-def settle_orphans(study, stale: list, folders: list[Path] = (), runs: list = (), metrics: list[str] = ()) -> None:
-    """Closes the trials a dead sweep process left RUNNING, without running any of them twice.
+def settle_orphans(study, stale: list, folders: list[Path] = (), runs: list = (), metrics: list[str] = (),
+                   cause: str = "its sweep process died") -> None:
+    """Closes the trials a dead sweep process left RUNNING, without running any of them twice (also the
+    trials of a sweep stopped by a signal, at its end: `cause` says which, in the log).
 
     Call it once the jobs in `folders` have ended (klbench.sweep.jobs.wait): their jobs outlive that process
     (SLURM array jobs, submitit's local processes). Each trial's result is taken, as the sweeper would
@@ -83,13 +85,13 @@ def settle_orphans(study, stale: list, folders: list[Path] = (), runs: list = ()
         if values is not None:
             used.add(run.info.run_id)
             study.tell(t.number, values=values)
-            log.warning("trial %d finished after its sweep process died: result %s taken from its job (MLflow run "
-                        "%s)", t.number, values, run.info.run_id)
+            log.warning("trial %d finished though %s: result %s taken from its job (MLflow run %s)", t.number,
+                        cause, values, run.info.run_id)
             continue
         if run is not None and run.info.status == "FAILED":
             used.add(run.info.run_id)
             study.tell(t.number, state=TrialState.FAIL)
-            log.warning("trial %d failed after its sweep process died (MLflow run %s)", t.number, run.info.run_id)
+            log.warning("trial %d failed though %s (MLflow run %s)", t.number, cause, run.info.run_id)
             continue
         if returns is None:  # unpickled only for a trial that MLflow cannot settle
             returns = [r for folder in folders for r in jobs.results(folder)]
@@ -100,15 +102,16 @@ def settle_orphans(study, stale: list, folders: list[Path] = (), runs: list = ()
         values = jobs.objective_values(ret, len(study.directions)) if ret is not None else None
         if values is not None:
             study.tell(t.number, values=values)
-            log.warning("trial %d finished after its sweep process died: result %s taken from its job (result "
-                        "file)", t.number, values)
+            log.warning("trial %d finished though %s: result %s taken from its job (result file)", t.number,
+                        cause, values)
         elif ret is not None:
             study.tell(t.number, state=TrialState.FAIL)
-            log.warning("trial %d failed after its sweep process died (see its job's log)", t.number)
+            log.warning("trial %d failed though %s (see its job's log)", t.number, cause)
         else:
             study.tell(t.number, state=TrialState.FAIL)
             study.enqueue_trial(t.params, user_attrs={RETRY_OF: t.number})
-            log.warning("trial %d was interrupted: marked FAIL, its parameters %s run again", t.number, t.params)
+            log.warning("trial %d was interrupted (%s): marked FAIL, its parameters %s run again", t.number,
+                        cause, t.params)
 
 
 def trial_run(trial, runs: list):

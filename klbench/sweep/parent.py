@@ -103,12 +103,8 @@ def finish(client, config: DictConfig, parent: str, study: tuple[str, str] | Non
     """Tags the trial counts and failed trials, logs the frontier of the trials that finished, and ends
     the parent run FINISHED, or FAILED when no trial is usable."""
     from klbench.analysis.frontier import describe_groups, format_table, group_runs
-    from klbench.analysis.mlflow_io import collect_runs, log_pareto, search_runs
-    children = search_runs(client, [client.get_run(parent).info.experiment_id],
-                           f"tags.mlflow.parentRunId = '{parent}'")
-    statuses = sorted({r.info.status for r in children})
-    counts = {s: sum(r.info.status == s for r in children) for s in statuses}
-    client.set_tag(parent, "klbench.sweep.trials", ", ".join(f"{n} {s}" for s, n in counts.items()) or "none")
+    from klbench.analysis.mlflow_io import collect_runs, log_pareto
+    counts = tag_trial_counts(client, parent)
     from klbench.sweep.storage import StorageUnreachable
     try:
         failed = failed_trials(study)
@@ -138,6 +134,26 @@ def finish(client, config: DictConfig, parent: str, study: tuple[str, str] | Non
         log_frontier_gaps(client, parent, runs, frontier)
     print(f"\nPareto frontier of sweep run {parent} ({runs.describe()}):\n{format_table(summary)}")
     client.set_terminated(parent, "FINISHED")
+
+
+def tag_trial_counts(client, parent: str) -> dict[str, int]:
+    """The parent run's trial runs by status, also in its `klbench.sweep.trials` tag."""
+    from klbench.analysis.mlflow_io import search_runs
+    children = search_runs(client, [client.get_run(parent).info.experiment_id],
+                           f"tags.mlflow.parentRunId = '{parent}'")
+    statuses = sorted({r.info.status for r in children})
+    counts = {s: sum(r.info.status == s for r in children) for s in statuses}
+    client.set_tag(parent, "klbench.sweep.trials", ", ".join(f"{n} {s}" for s, n in counts.items()) or "none")
+    return counts
+
+
+def stop(client, parent: str, why: str) -> None:
+    """A sweep stopped by a signal: its parent run ends KILLED, `why` in its klbench.ended tag, without the
+    frontier (the rerun that finishes the study draws it)."""
+    from klbench.record.runs import ENDED
+    tag_trial_counts(client, parent)
+    client.set_tag(parent, ENDED, why)
+    client.set_terminated(parent, "KILLED")
 
 
 def fail(client, parent: str) -> None:
@@ -195,9 +211,12 @@ def print_pareto_trials(sweep_dir: Path, metrics: list[str]) -> None:
         print("  ".join(f"{v:>{width}.4f}" for v in sol["values"]) + f"  {params}")
 
 
-def print_sweep_where(sweep_dir: Path, client=None, parent: str | None = None, tracking_uri: str = "") -> None:
+def print_sweep_where(sweep_dir: Path, client=None, parent: str | None = None, tracking_uri: str = "",
+                      stopped: str | None = None) -> None:
+    """`stopped`: how a sweep stopped by a signal ended, and how to finish it."""
     from klbench.console import messages as console
-    lines = [("sweep folder", str(sweep_dir))]
+    lines = [("stopped", stopped)] if stopped else []
+    lines += [("sweep folder", str(sweep_dir))]
     lines += [(name, str(sweep_dir / name)) for name in ("pareto.html", "pareto.png", "pareto.csv")
               if (sweep_dir / name).is_file()]
     if parent is not None:

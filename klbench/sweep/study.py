@@ -65,6 +65,8 @@ def prepare_study(config: DictConfig):
 
     from klbench.sweep import jobs
     from klbench.sweep import storage as resilient
+    from klbench.record.store import open_optuna
+    open_optuna(storage)  # a fresh optuna.db: created by one sweep while others wait
     resilient.install(storage)
     dirs = sw.direction if OmegaConf.is_list(sw.direction) else [sw.direction]
     study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
@@ -92,8 +94,7 @@ def prepare_study(config: DictConfig):
     jobs.record_sweep_dir(outputs, name, shown, Path(config.hydra.sweep.dir))
     study.set_user_attr(STUDY_SWEEP_DIR, str(config.hydra.sweep.dir))
     trials = study.get_trials(deepcopy=False)
-    retried = {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
-    done = sum(t.state.is_finished() and t.number not in retried for t in trials)
+    done = finished(trials)
     total = study_total(config)
     set_hydra_value(config, "sweeper.n_trials", max(0, total - done))
     seed = sw.get("sampler", {}).get("seed")
@@ -144,3 +145,28 @@ def failed_trials(study: tuple[str, str] | None) -> str:
     retried = {t.user_attrs.get(RETRY_OF) for t in st.trials}
     return "; ".join(f"#{t.number} {t.params}" for t in st.get_trials(deepcopy=False, states=(TrialState.FAIL,))
                      if t.number not in retried)
+
+
+def settle_stopped(config: DictConfig, study: tuple[str, str], cause: str) -> tuple[int, list[str]]:
+    """At the end of a sweep stopped by a signal: its trials left RUNNING are settled as a resume would
+    settle them (klbench.sweep.orphans.settle_orphans: a trial whose run finished is COMPLETE with its
+    values, the others FAIL, their parameters queued to run again), so none stays RUNNING. Trials whose
+    SLURM or submitit jobs still run are left RUNNING: the rerun waits for those jobs and takes their results.
+    Returns the study's finished trials (those no later trial re-runs) and the ids of the jobs still running."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from klbench.sweep import jobs
+    st = optuna.load_study(study_name=study[0], storage=study[1])
+    sweep_dir = Path(config.hydra.sweep.dir).resolve()
+    running = jobs.alive(sweep_dir / ".submitit")
+    if not running and (stale := st.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
+        settle_orphans(st, stale, [sweep_dir], trial_runs(config, st), list(config.get("optimized_metrics") or ()),
+                       cause=cause)
+    return finished(st.get_trials(deepcopy=False)), running
+
+
+def finished(trials: list) -> int:
+    """How many of the study's trials are done: finished, and not re-run by a later trial (RETRY_OF)."""
+    retried = {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
+    return sum(t.state.is_finished() and t.number not in retried for t in trials)

@@ -196,9 +196,12 @@ def test_trial_over_its_time_limit_is_requeued_until_done(slurm_cluster, tmp_pat
 
 # ---- 4. the sweep process dies ----
 
-def test_rerun_after_the_sweep_process_is_killed(slurm_cluster, tmp_path):
-    """kill -9 of the process that waits on the array jobs, while the second batch of trials runs. The
-    rerun waits for those jobs, takes their results, and runs only the trial never started."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_rerun_after_the_sweep_process_is_killed(slurm_cluster, tmp_path, sig):
+    """kill -9 (or SIGTERM: scancel of a sweep run as a job, docker stop) of the process that waits on the
+    array jobs, while the second batch of trials runs. The rerun waits for those jobs, takes their results,
+    and runs only the trial never started. Stopped by SIGTERM, the sweep exits 143 with its parent run
+    KILLED and names the jobs that still run, whose trials it leaves RUNNING for the rerun."""
     out = tmp_path / "outputs"
     cmd = ["-m", "sweep=rl_beta", *TAB, "task.max_steps=1500", "task.val_every=500", "hydra.sweeper.n_trials=5",
            *SLURM, "hydra.launcher.timeout_min=10"]
@@ -215,8 +218,15 @@ def test_rerun_after_the_sweep_process_is_killed(slurm_cluster, tmp_path):
         return done == 2 and sum(t.state.name == "RUNNING" for t in st.trials) == 2 and only_trial_run(out)
 
     wait_for("the second batch to be training", second_batch_running, 300, sweep)
-    sweep.send_signal(signal.SIGKILL)
+    sweep.send_signal(sig)
     sweep.wait()
+    if sig == signal.SIGTERM:
+        assert sweep.returncode == 143
+        st = study(out, name)
+        assert client(out).get_run(st.user_attrs["klbench.mlflow_parent_run_id"]).info.status == "KILLED"
+        assert states(st) == ["COMPLETE", "COMPLETE", "RUNNING", "RUNNING"]  # the jobs still run
+        log = next(out.parent.glob("sweep-*.log")).read_text()
+        assert "stopped       by SIGTERM after 2 of 5 trials finished; the jobs " in log, log[-3000:]
     proc = klbench(out, *cmd, timeout=600)
     log = proc.stdout + proc.stderr
     assert log.count("taken from its job") == 2, log[-4000:]
