@@ -23,7 +23,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, TypeAdap
 
 from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and imported from here by callers)
 from klbench.config.explain import explain
-from klbench.estimators.options import (REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
+from klbench.estimators.options import (ADVANTAGES, GROUP_ADVANTAGES, LOSS_AGGS, REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
                                         InRewardOptions, LibraryOptions, Options)
 from klbench.models import DTYPES
 from klbench.models.prompts_jsonl import read_prompts
@@ -72,6 +72,11 @@ class TaskRL(Options):
     # a small klbench.probe.measure at the validations whose step is a multiple of probe_every (null: never)
     probe_every: Optional[int] = Field(None, ge=1)
     probe: Optional[_ProbeFields] = None
+    # the reward term (klbench/estimators/advantages.py): its advantage, the std's epsilon of grpo, and how
+    # its per-token terms are aggregated
+    advantage: Literal[ADVANTAGES] = "rloo"
+    adv_eps: float = Field(1e-6, gt=0)
+    loss_agg: Literal[LOSS_AGGS] = "seq_sum"
 
 
 class TaskDistill(TaskRL):
@@ -436,12 +441,35 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
     _check_placement(t, e, OmegaConf.select(cfg, "kl_ctl.name"))
     if e.name == "loo" and n < 2:
         raise ConfigError(f"estimator loo needs task.n_samples >= 2 (samples per prompt), got {n}")
-    if reward != "none" and t.reward_coef != 0 and n < 2:
-        raise ConfigError(f"the RLOO reward baseline needs task.n_samples >= 2, got {n}")
+    _check_reward_term(t, e, reward)
     if model == "tabular" and reward not in ("tabular", "none"):
         raise ConfigError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={reward})")
     if reward == "tabular" and model != "tabular":
         raise ConfigError(f"reward=tabular needs model=tabular (got model.kind={model})")
+
+
+def _check_reward_term(t: TaskRL, e: BaseModel, reward: str) -> None:
+    """task.advantage and task.loss_agg shape the reward term (klbench/estimators/advantages.py): a group needs
+    n >= 2 samples per prompt, and without a reward term (and no KL fused into it) they would be ignored."""
+    n, adv = t.n_samples, t.advantage
+    fused = e.name == "in_reward" and e.kl_norm == "fused"
+    has_term = fused or (reward != "none" and t.reward_coef != 0)
+    if adv == "rloo" and has_term and n < 2:
+        raise ConfigError(f"the RLOO reward baseline needs task.n_samples >= 2, got {n}")
+    if adv in GROUP_ADVANTAGES and adv != "rloo" and n < 2:
+        raise ConfigError(f"task.advantage={adv} normalises over the samples of a prompt, but task.n_samples={n} "
+                          "gives no group: set task.n_samples >= 2 (or task.advantage=reinforce)")
+    if adv == "reinforce" and has_term and n * t.prompts_per_step < 2:
+        raise ConfigError("task.advantage=reinforce subtracts the batch mean, which needs at least 2 sequences per "
+                          f"step, got task.prompts_per_step x task.n_samples = {t.prompts_per_step * n}")
+    if not has_term and (adv != "rloo" or t.loss_agg != "seq_sum"):
+        why = "reward=none" if reward == "none" else "task.reward_coef=0"
+        raise ConfigError(f"task.advantage={adv} and task.loss_agg={t.loss_agg} shape the reward term, but {why} "
+                          "leaves none (and no KL is fused into it): leave them at rloo and seq_sum")
+    if fused and (e.form, e.baseline, e.max_weight) != ("sequence", "none", None):
+        raise ConfigError("estimator.kl_norm=fused puts the sequence KL into the sequence reward, whose advantage is "
+                          "its baseline: it needs estimator.form=sequence, estimator.baseline=none and "
+                          f"estimator.max_weight=null; got {e.form}, {e.baseline}, {e.max_weight}")
 
 
 def _check_tabular_pair(cfg: DictConfig, teacher: str | None) -> None:

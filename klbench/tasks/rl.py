@@ -1,7 +1,9 @@
 """task=rl: maximise E[r] - beta * KL(pi || pi_ref). Thin wiring: rollout, reward, loss, logging.
 
-Reward gradient: REINFORCE with a leave-one-out baseline over the n samples of a prompt (RLOO).
-KL gradient: beta * the configured gradient estimator's surrogate. Every value estimator is
+Reward gradient: REINFORCE with the advantage task.advantage (rloo by default: a leave-one-out baseline over
+the n samples of a prompt) aggregated over tokens as task.loss_agg (klbench/estimators/advantages.py).
+KL gradient: beta * the configured gradient estimator's surrogate; with estimator=in_reward kl_norm=fused the
+KL value enters the reward before the advantage instead, and there is no separate KL term. Every value estimator is
 logged on the same batch so that their disagreement is visible step by step.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 
 from klbench.estimators import gradient_estimator, value_estimator
-from klbench.estimators.baselines import rloo_advantage
+from klbench.estimators.advantages import advantage, reward_loss
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.tasks.kl_control import build_kl_control
@@ -35,6 +37,8 @@ class RLTask(pl.LightningModule):
         # beta lives in the controller (klbench/tasks/kl_control.py): estimator.beta when kl_ctl=fixed
         self.kl_ctl = build_kl_control(kl_ctl_cfg, float(estimator_cfg["beta"]))
         self.cfg = dict(task_cfg)
+        # the KL fused into the reward before the advantage (in_reward kl_norm=fused): no separate KL term
+        self.fused = getattr(self.estimator, "options", {}).get("kl_norm") == "fused"
         self.values = {label: value_estimator(name, **o) for label, (name, o) in LOGGED_VALUES.items()}
         self.strict_loading = False  # the frozen reference is not checkpointed
         self.val_rows: list[dict] = []
@@ -57,14 +61,26 @@ class RLTask(pl.LightningModule):
         ro = self.policy.rollout(prompts, self.cfg["n_samples"])
         batch = self.policy.score(ro)
         reward = self.rewards(ro)  # [B]
-        logp_sum = batch.masked_logp.sum(-1)  # [B]
-        adv = rloo_advantage(reward, ro.group).to(logp_sum.dtype)
-        loss_reward = -(adv * logp_sum).mean()
+        adv = self.reward_advantage(batch, reward, ro.group)  # [B]
+        loss_reward = reward_loss(adv, batch.masked_logp, batch.mask, *self.loss_agg)
         loss, n_clamped = self.total_loss(batch, loss_reward, f"step {self.global_step}")
         if self.logging_step(self.global_step):
             self._log_train(batch, reward, ro, loss, n_clamped)
         self._control_beta(batch)
         return loss
+
+    @property
+    def loss_agg(self) -> tuple[str, int]:
+        """task.loss_agg and its L_max (task.max_new_tokens), as klbench.estimators.advantages.aggregate takes them."""
+        return self.cfg.get("loss_agg", "seq_sum"), int(self.cfg["max_new_tokens"])
+
+    def reward_advantage(self, batch, reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        """[B] task.advantage of the rewards [B]; with the KL fused (in_reward kl_norm=fused), of
+        reward_coef r - beta v, v the estimator's detached per-sequence value."""
+        if self.fused:
+            reward = self.cfg["reward_coef"] * reward - self.beta * self.estimator.sequence_value(batch).to(reward.dtype)
+        return advantage(reward, group, self.cfg.get("advantage", "rloo"),
+                         float(self.cfg.get("adv_eps", 1e-6))).to(batch.logp.dtype)
 
     def on_fit_start(self) -> None:
         # with no logger and no step bar (logger=none, output not a terminal) nothing reads train/ metrics, and
@@ -100,15 +116,19 @@ class RLTask(pl.LightningModule):
 
     def total_loss(self, batch, loss_reward: torch.Tensor, where: str) -> tuple[torch.Tensor, int | None]:
         """reward_coef * the reward part + beta * the mean KL surrogate, and the estimator's clamp count (None
-        without a clamp). A non-finite loss stops the run here, naming both parts, before it reaches the weights."""
-        est = self.estimator.estimate(batch)
-        loss_kl = est.values.mean()
-        loss = self.cfg["reward_coef"] * loss_reward + self.beta * loss_kl
+        without a clamp). A non-finite loss stops the run here, naming both parts, before it reaches the weights.
+        With the KL fused into the reward, loss_reward already holds reward_coef and beta: it is the loss."""
+        if self.fused:
+            est, loss_kl, loss = None, torch.zeros(()), loss_reward
+        else:
+            est = self.estimator.estimate(batch)
+            loss_kl = est.values.mean()
+            loss = self.cfg["reward_coef"] * loss_reward + self.beta * loss_kl
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite loss at {where}: reward part {loss_reward.item()}, "
                 f"KL surrogate {loss_kl.item()} (estimator {self.estimator!r}, beta {self.beta})")
-        return loss, est.n_clamped
+        return loss, None if est is None else est.n_clamped
 
     @torch.no_grad()
     def _log_train(self, batch, reward, ro, loss, n_clamped) -> None:
