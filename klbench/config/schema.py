@@ -26,7 +26,8 @@ from klbench.config.explain import explain
 from klbench.estimators.options import (ADVANTAGES, GROUP_ADVANTAGES, LOSS_AGGS, REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
                                         InRewardOptions, LibraryOptions, Options)
 from klbench.models import DTYPES
-from klbench.models.prompts_jsonl import read_prompts
+from klbench.models.answer import EXTRACTS
+from klbench.models.prompts_jsonl import read_rows
 from klbench.probe.config import ProbeOptions
 
 Str = Annotated[str, Field(min_length=1)]
@@ -223,6 +224,7 @@ class DatasetJsonl(Options):
     train_path: Str
     val_path: Str
     field: Str
+    answer_field: Optional[Str] = None  # reward=answer: the field holding each row's reference answer
 
 
 class DatasetHF(Options):
@@ -234,6 +236,7 @@ class DatasetHF(Options):
     prompt_words: PosInt
     max_train: PosInt
     max_val: PosInt
+    answer_field: Optional[Str] = None  # reward=answer: the column holding each row's reference answer
 
 
 Dataset = Union[DatasetEmbedded, DatasetJsonl, DatasetHF]
@@ -263,7 +266,25 @@ class RewardHFClassifier(Options):
     batch_size: PosInt
 
 
-Reward = Union[RewardVader, RewardTabular, RewardNone, RewardHFClassifier]
+def _regex_ok(v: Any) -> bool:
+    try:
+        re.compile(v)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+class RewardAnswer(Options):
+    """klbench.models.answer: 1 where the extracted final answer matches the reference, plus format_reward
+    where an answer could be extracted at all."""
+    kind: Literal["answer"]
+    extract: Literal[EXTRACTS] = "last_number"
+    pattern: Annotated[Optional[str], _check(lambda v: v is None or _regex_ok(v)),
+                       Expect("null or a Python regular expression (its first group, if any, is the answer)")] = None
+    format_reward: float = 0.0
+
+
+Reward = Union[RewardVader, RewardTabular, RewardNone, RewardHFClassifier, RewardAnswer]
 
 
 # ---- hardware: the Lightning Trainer's arguments ----
@@ -446,6 +467,25 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
         raise ConfigError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={reward})")
     if reward == "tabular" and model != "tabular":
         raise ConfigError(f"reward=tabular needs model=tabular (got model.kind={model})")
+    if reward == "answer":
+        _check_answer(cfg)
+    elif cfg.dataset.get("answer_field") is not None:
+        raise ConfigError(f"dataset.answer_field={cfg.dataset.answer_field} is read by reward=answer only, got "
+                          f"reward={reward}: drop it (dataset.answer_field=null) or use reward=answer")
+
+
+def _check_answer(cfg: DictConfig) -> None:
+    """reward=answer: reference answers from the dataset, and a pattern exactly where extract=regex reads one."""
+    r, ds = cfg.reward, cfg.dataset
+    if (r.extract == "regex") != (r.get("pattern") is not None):
+        raise ConfigError(f"reward.pattern is read by reward.extract=regex only, and regex needs one: got "
+                          f"reward.extract={r.extract}, reward.pattern={r.get('pattern')!r}")
+    if ds.source == "embedded":
+        raise ConfigError("reward=answer needs prompts with reference answers: dataset=embedded (review openings) has "
+                          "none; use dataset=jsonl or dataset=hf with dataset.answer_field=<field>, or experiment=arith")
+    if ds.source in ("jsonl", "hf") and ds.get("answer_field") is None:
+        raise ConfigError(f"reward=answer needs dataset.answer_field: the {'field' if ds.source == 'jsonl' else 'column'}"
+                          f" of dataset={ds.source} holding each prompt's reference answer")
 
 
 def _check_reward_term(t: TaskRL, e: BaseModel, reward: str) -> None:
@@ -569,7 +609,7 @@ def _check_placement(t: TaskRL, e: BaseModel, ctl: str | None) -> None:
 def _check_jsonl(ds: DictConfig, min_train: int) -> None:
     for key in ("train_path", "val_path"):
         try:
-            prompts = read_prompts(ds[key], ds.field)
+            prompts = read_rows(ds[key], ds.field, ds.get("answer_field"))
         except (OSError, ValueError) as e:
             raise ConfigError(f"dataset.{key}: {e}") from None
         if key == "train_path" and len(prompts) < min_train:

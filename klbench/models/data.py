@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from klbench.models.prompts_jsonl import read_prompts
+from klbench.models.prompts_jsonl import read_prompts, read_rows
 
 
 def load_prompts(cfg) -> tuple[list[str], list[str]]:
@@ -44,7 +44,42 @@ def _read_jsonl(path: str, field: str) -> list[str]:
     return read_prompts(path, field)  # the reader klbench.config.schema checks the files with
 
 
+def load_answers(cfg) -> dict[str, str]:
+    """prompt -> reference answer (klbench.models.answer.reference_answer) of both splits of a `dataset` config
+    with dataset.answer_field (reward=answer). A row without the field names the file or split, the row and the
+    field; one prompt with two different answers is refused."""
+    from klbench.models.answer import reference_answer
+    field = cfg.get("answer_field")
+    if cfg.source == "embedded":
+        raise ValueError("reward=answer needs prompts with reference answers: dataset=embedded (review openings) "
+                         "has none; use dataset=jsonl or dataset=hf with dataset.answer_field, or experiment=arith")
+    if field is None:
+        raise ValueError(f"reward=answer needs dataset.answer_field, the field of each row holding the reference "
+                         f"answer (dataset={cfg.source})")
+    elif cfg.source == "jsonl":
+        pairs = [pa for key in ("train_path", "val_path") for pa in read_rows(cfg[key], cfg.field, field)]
+    elif cfg.source == "hf":
+        pairs = [pa for split in (cfg.train_split, cfg.val_split)
+                 for pa in _hf_pairs(cfg.name, split, cfg.field, cfg.prompt_words, cfg.max_val if split ==
+                                     cfg.val_split else cfg.max_train, field)]
+    else:
+        raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
+    out: dict[str, str] = {}
+    for prompt, answer in pairs:
+        ref = reference_answer(answer)
+        if out.setdefault(prompt, ref) != ref:
+            raise ValueError(f"the prompt {prompt[:80]!r} appears with two reference answers ({out[prompt]!r}, "
+                             f"{ref!r}): reward=answer could not tell which to score against")
+    return out
+
+
 def _read_hf(name: str, split: str, field: str, words: int, limit: int) -> list[str]:
+    return [p for p, _ in _hf_pairs(name, split, field, words, limit)]
+
+
+def _hf_pairs(name: str, split: str, field: str, words: int, limit: int,
+              answer_field: str | None = None) -> list[tuple[str, object]]:
+    """(prompt, answer) of the split's first `limit` rows after a seeded shuffle; prompts cut to `words` words."""
     try:
         import datasets
     except ImportError as e:
@@ -59,8 +94,19 @@ def _read_hf(name: str, split: str, field: str, words: int, limit: int) -> list[
         ds = datasets.load_dataset(name, split=split)
     if field not in ds.column_names:
         raise ValueError(f"HF dataset {name!r} has no column {field!r} (dataset.field); columns: {ds.column_names}")
+    if answer_field is not None:
+        if answer_field not in ds.column_names:
+            raise ValueError(f"HF dataset {name!r} (split {split!r}) has no column {answer_field!r} "
+                             f"(dataset.answer_field); columns: {ds.column_names}")
+        for i, a in enumerate(ds[answer_field]):
+            if a is None or (isinstance(a, str) and not a.strip()):
+                raise ValueError(f"HF dataset {name!r} (split {split!r}) row {i} has no value in field "
+                                 f"{answer_field!r} (dataset.answer_field): {a!r}")
     ds = ds.shuffle(seed=0).select(range(min(limit, len(ds))))
-    return [" ".join(str(t).split()[:words]) for t in ds[field]]
+    prompts = [" ".join(str(t).split()[:words]) for t in ds[field]]
+    if answer_field is None:
+        return [(p, None) for p in prompts]
+    return list(zip(prompts, ds[answer_field]))
 
 
 class PromptData(pl.LightningDataModule):

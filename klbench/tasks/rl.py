@@ -55,6 +55,11 @@ class RLTask(pl.LightningModule):
         r = self.reward_fn(ro)
         return r.to(self.device, torch.float32)
 
+    def judged(self, ro: Rollout) -> dict[str, torch.Tensor]:
+        """[B] per-response indicators of a verifiable reward (reward=answer: accuracy, no_answer); else none."""
+        judge = getattr(self.reward_fn, "judge", None)
+        return {} if judge is None else {k: v.to(self.device) for k, v in judge(ro).items()}
+
     def training_step(self, prompts: list[str], batch_idx: int) -> torch.Tensor:
         if self.cfg.get("inner_steps", 1) > 1:  # several optimiser steps per rollout: klbench/tasks/offpolicy.py
             return off_policy_step(self, prompts)
@@ -135,6 +140,8 @@ class RLTask(pl.LightningModule):
         m = {f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
              if label != "rb" or batch.logits is not None}
         m["train/reward"] = reward.mean()
+        for key, v in self.judged(ro).items():  # no_answer: how many of the step's responses had none
+            m[f"train/{key}"] = v.sum() if key == "no_answer" else v.mean()
         m["train/loss"] = loss.detach()
         m["train/response_len"] = batch.mask.sum(-1).float().mean()
         if batch.logits is not None:
@@ -182,20 +189,24 @@ class RLTask(pl.LightningModule):
         batch = self.policy.score(ro)
         reward = self.rewards(ro)
         seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
-        for text, prompt, r, k, n in zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
-                                         batch.mask.sum(-1).tolist()):
-            self.val_rows.append({"prompt": prompt, "response": text, "reward": r, "seq_kl": k, "tokens": n})
+        judged = {k: v.tolist() for k, v in self.judged(ro).items()}
+        for i, (text, prompt, r, k, n) in enumerate(zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
+                                                        batch.mask.sum(-1).tolist())):
+            self.val_rows.append({"prompt": prompt, "response": text, "reward": r, "seq_kl": k, "tokens": n,
+                                  **{key: v[i] for key, v in judged.items()}})
 
     def on_validation_epoch_end(self) -> None:
         rows = self.val_rows
+        judged = [k for k in ("accuracy", "no_answer") if rows and k in rows[0]]  # a verifiable reward's
         # sums over all processes, so the metric is the same whatever the number of devices
         totals = torch.tensor([sum(r["reward"] for r in rows), sum(r["seq_kl"] for r in rows),
-                               sum(r["tokens"] for r in rows), len(rows)], dtype=torch.float64, device=self.device)
+                               sum(r["tokens"] for r in rows), len(rows), *(sum(r[k] for r in rows) for k in judged)],
+                              dtype=torch.float64, device=self.device)
         if self.trainer.world_size > 1:
-            totals = self.all_gather(totals).reshape(-1, 4).sum(0)
-        reward, kl, n_tok, n = totals.tolist()
+            totals = self.all_gather(totals).reshape(-1, 4 + len(judged)).sum(0)
+        reward, kl, n_tok, n, *judged_sums = totals.tolist()
         m = {"val/reward": reward / n, "val/seq_kl": kl / n, "val/token_kl": kl / max(n_tok, 1),
-             "val/response_len": n_tok / n}
+             "val/response_len": n_tok / n, **{f"val/{k}": v / n for k, v in zip(judged, judged_sums)}}
         m.update(self._exact_metrics(m))
         # logged at the number of optimiser steps taken (Lightning would use that number minus one)
         self.log_dict(m, logger=False, sync_dist=True)  # already identical on every process

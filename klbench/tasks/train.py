@@ -150,7 +150,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     local_ddp_store(cfg)
     t0 = time.time()
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"))
-    reward = build_reward(cfg.reward, policy)
+    reward = build_reward(cfg.reward, policy, cfg.dataset)
     module = build_task(cfg, policy, reward)
     data = build_data(cfg, policy.fixed_prompt, policy)
     built_s = time.time() - t0  # the models (the embedded LM's first build included) and the data
