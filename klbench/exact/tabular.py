@@ -142,16 +142,18 @@ class TabularModel:
         return idx, p[idx].prod(-1)
 
     def gradient_moments(self, surrogate: Surrogate, theta: torch.Tensor, n: int = 1,
-                         behaviour: torch.Tensor | None = None) -> "Moments":
+                         behaviour: torch.Tensor | None = None, reward: torch.Tensor | None = None) -> "Moments":
         """Exact mean [P, K] and trace of covariance of the gradient sample grad (1/n) sum_i L_i, where the
         n samples of one prompt are drawn i.i.d. from pi, or from the behaviour table pi_old [P, K] if given
         (the batch then carries old_logp). Per-tuple gradients come from one backward pass through
-        per-tuple copies of theta."""
+        per-tuple copies of theta. With a reward table [N], the surrogate is called as surrogate(batch,
+        rewards [B]): a reward term (an advantage over the group) enters the gradient with the KL's."""
         idx, w = self._tuples(theta if behaviour is None else behaviour, n)
         M = idx.shape[0]
         copies = theta.detach().expand(M, -1, -1).clone().requires_grad_()  # [M, P, K]
         owner = torch.arange(M).repeat_interleave(n)  # [M * n]
-        surr = _as_tensor(surrogate(self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour)),
+        batch = self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour)
+        surr = _as_tensor(surrogate(batch) if reward is None else surrogate(batch, reward.to(DTYPE)[idx.reshape(-1)]),
                           M * n)
         g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
         mean = (w.unsqueeze(-1) * g).sum(0)
