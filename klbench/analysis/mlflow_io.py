@@ -151,9 +151,11 @@ def child_runs(client: MlflowClient, parent_run_id: str, noticed_by: str) -> lis
 
 def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = None,
                  run_ids: Sequence[str] | None = None, parent_run_id: str | None = None,
-                 noticed_by: str = "klbench-pareto") -> RunPoints:
+                 noticed_by: str = "klbench-pareto", reward_metric: str = REWARD) -> RunPoints:
     """Runs that FINISHED all their steps, with final `val/reward` and `val/seq_kl` and an `estimator.name`
     param, one dict each (its logged params under "params", for klbench.analysis.frontier.group_runs).
+    reward_metric: the metric on the frontier's reward axis (e.g. val/accuracy of reward=answer), read into
+    each point's "reward" and named by its "reward_metric".
 
     `experiment_names` takes every run of those experiments; `parent_run_id` keeps only that sweep's
     children (searched in the parent's experiment unless experiment_names is given); `run_ids` adds
@@ -192,9 +194,9 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
             out.skip(f"status {run.info.status}", rid)
         elif not (done := runs.completed(run.data.tags))[0]:
             out.skip(done[1] if done[1].startswith("no ") else "stopped before max_steps", rid)
-        elif missing := [m for m in (REWARD, SEQ_KL) if m not in metrics]:
+        elif missing := [m for m in (reward_metric, SEQ_KL) if m not in metrics]:
             out.skip(f"missing metric {missing[0]}", rid)
-        elif bad := [m for m in (REWARD, SEQ_KL) if not math.isfinite(metrics[m])]:
+        elif bad := [m for m in (reward_metric, SEQ_KL) if not math.isfinite(metrics[m])]:
             out.skip(f"non-finite {bad[0]}", rid)
         elif param(params, "estimator.name") is None:
             out.skip("missing param estimator.name", rid)
@@ -205,7 +207,8 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
             out.append({"run_id": rid, "run_name": run.info.run_name, "experiment": exp_names[eid],
                         "experiment_id": eid, "estimator": estimator_label(params),
                         "beta": _number(params, "estimator.beta"), "lam": _number(params, "estimator.lam"),
-                        "seed": _number(params, "seed"), "reward": metrics[REWARD],
+                        "seed": _number(params, "seed"), "reward": metrics[reward_metric],
+                        "reward_metric": reward_metric,
                         "seq_kl": metrics[SEQ_KL], "status": run.info.status, "params": dict(params),
                         "parent": run.data.tags.get("mlflow.parentRunId"), "start_time": run.info.start_time})
     kept, dropped = one_per_trial(out)

@@ -171,7 +171,9 @@ class EmbeddedSpec(Options):
                     Expect("null or a cache directory name: letters, digits, _ . -")] = None
     corpus_size: Optional[int] = Field(None, ge=1)
     corpus_seed: Optional[int] = None
-    positive_fraction: Optional[float] = Field(None, ge=0, le=1)
+    positive_fraction: Optional[float] = Field(None, ge=0, le=1)  # the review presets'
+    noise_fraction: Optional[float] = Field(None, ge=0, le=1)  # preset arith's (klbench/models/embedded/arith.py)
+    digits: Optional[int] = Field(None, ge=2)  # preset arith's
     vocab_size: Optional[int] = Field(None, ge=1)
     n_embd: Optional[int] = Field(None, ge=1)
     n_layer: Optional[int] = Field(None, ge=1)
@@ -189,7 +191,7 @@ DType = Literal[DTYPES]
 
 class ModelEmbedded(Options):
     kind: Literal["embedded"]
-    preset: Literal["reference", "teacher", "student"]
+    preset: Literal["reference", "teacher", "student", "arith"]
     spec: EmbeddedSpec
     dtype: DType
 
@@ -219,6 +221,14 @@ class DatasetEmbedded(Options):
     source: Literal["embedded"]
 
 
+class DatasetArith(Options):
+    """Generated arithmetic prompts (klbench/models/embedded/arith.py); the answers are computed from them."""
+    source: Literal["arith"]
+    digits: int = Field(ge=2)
+    max_train: PosInt
+    seed: int
+
+
 class DatasetJsonl(Options):
     source: Literal["jsonl"]
     train_path: Str
@@ -239,7 +249,7 @@ class DatasetHF(Options):
     answer_field: Optional[Str] = None  # reward=answer: the column holding each row's reference answer
 
 
-Dataset = Union[DatasetEmbedded, DatasetJsonl, DatasetHF]
+Dataset = Union[DatasetEmbedded, DatasetJsonl, DatasetHF, DatasetArith]
 
 
 # ---- reward ----
@@ -282,6 +292,7 @@ class RewardAnswer(Options):
     pattern: Annotated[Optional[str], _check(lambda v: v is None or _regex_ok(v)),
                        Expect("null or a Python regular expression (its first group, if any, is the answer)")] = None
     format_reward: float = 0.0
+    axis: Literal["val/accuracy", "val/reward"] = "val/accuracy"  # a sweep's objective, the frontier's reward axis
 
 
 Reward = Union[RewardVader, RewardTabular, RewardNone, RewardHFClassifier, RewardAnswer]
@@ -433,6 +444,7 @@ def validate(cfg: DictConfig) -> None:
             _check_jsonl(cfg.dataset, 1)
         return
     _check_combination(cfg, task, est, model, teacher, reward)
+    _check_objectives(cfg, reward)
     _check_context(cfg)
     _check_probe_every(task)
     _check_kl_ctl(task, kl_ctl)
@@ -486,6 +498,16 @@ def _check_answer(cfg: DictConfig) -> None:
     if ds.source in ("jsonl", "hf") and ds.get("answer_field") is None:
         raise ConfigError(f"reward=answer needs dataset.answer_field: the {'field' if ds.source == 'jsonl' else 'column'}"
                           f" of dataset={ds.source} holding each prompt's reference answer")
+
+
+def _check_objectives(cfg: DictConfig, reward: str) -> None:
+    """optimized_metrics: what a training run returns to the sweeper and the frontier's axes (reward, KL)."""
+    om = cfg.get("optimized_metrics")
+    om = list(om) if om is not None else ["val/reward", "val/seq_kl"]
+    rewards = ("val/reward", "val/accuracy") if reward == "answer" else ("val/reward",)
+    if len(om) != 2 or om[0] not in rewards or om[1] != "val/seq_kl":
+        raise ConfigError(f"optimized_metrics must be [<reward metric>, val/seq_kl] with the reward metric one of "
+                          f"{', '.join(rewards)} (val/accuracy needs reward=answer); got {om}")
 
 
 def _check_reward_term(t: TaskRL, e: BaseModel, reward: str) -> None:

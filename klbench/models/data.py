@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -17,10 +18,13 @@ def load_prompts(cfg) -> tuple[list[str], list[str]]:
         return embedded_prompts("train"), embedded_prompts("val")
     if cfg.source == "jsonl":
         return _read_jsonl(cfg.train_path, cfg.field), _read_jsonl(cfg.val_path, cfg.field)
+    if cfg.source == "arith":  # as many fresh problems as asked for; validation from the held-out tenth
+        from klbench.models.embedded.arith import arith_prompts
+        return arith_prompts("train", cfg.max_train, cfg.digits, cfg.seed), arith_prompts("val", 1024, cfg.digits, 0)
     if cfg.source == "hf":
         return (_read_hf(cfg.name, cfg.train_split, cfg.field, cfg.prompt_words, cfg.max_train),
                 _read_hf(cfg.name, cfg.val_split, cfg.field, cfg.prompt_words, cfg.max_val))
-    raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
+    raise ValueError(f"dataset.source must be embedded, jsonl, hf or arith; got {cfg.source!r}")
 
 
 def check_prompt_lengths(cfg, policy, train: list[str], val: list[str]) -> None:
@@ -44,12 +48,15 @@ def _read_jsonl(path: str, field: str) -> list[str]:
     return read_prompts(path, field)  # the reader klbench.config.schema checks the files with
 
 
-def load_answers(cfg) -> dict[str, str]:
+def load_answers(cfg) -> Mapping[str, str]:
     """prompt -> reference answer (klbench.models.answer.reference_answer) of both splits of a `dataset` config
     with dataset.answer_field (reward=answer). A row without the field names the file or split, the row and the
     field; one prompt with two different answers is refused."""
     from klbench.models.answer import reference_answer
     field = cfg.get("answer_field")
+    if cfg.source == "arith":
+        from klbench.models.embedded.arith import ArithAnswers
+        return ArithAnswers()
     if cfg.source == "embedded":
         raise ValueError("reward=answer needs prompts with reference answers: dataset=embedded (review openings) "
                          "has none; use dataset=jsonl or dataset=hf with dataset.answer_field, or experiment=arith")
