@@ -49,20 +49,20 @@ DEFAULT_STUDENT_SPEC = {**DEFAULT_REFERENCE_SPEC, "name": "student", "n_embd": 6
 DEFAULT_ARITH_SPEC = {
     "name": "arith",
     "corpus": "arith",
-    "corpus_size": 100000,  # problems
+    "corpus_size": 60000,  # problems
     "corpus_seed": 0,
     "noise_fraction": 0.6,  # of the worked answers, with one slip: the reference's accuracy sits near 1 - this
-    "digits": 3,  # operands of 2 to 3 digits
+    "digits": 2,  # two-digit operands (3 needs a larger model and longer pretraining: docs/rlvr.md)
     "vocab_size": 258,
-    "n_embd": 128,
-    "n_layer": 4,
-    "n_head": 4,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 2,
     "n_positions": 80,
-    "steps": 3000,
+    "steps": 2000,
     "batch_size": 64,
-    "lr": 2e-3,
+    "lr": 3e-3,
     "seed": 0,
-    "max_len": 64,  # bos + the longest problem and worked answer (about 50 bytes) + eos
+    "max_len": 64,  # bos + the longest problem and worked answer (about 36 bytes) + eos
 }
 PRESETS = {"reference": DEFAULT_REFERENCE_SPEC, "teacher": DEFAULT_TEACHER_SPEC, "student": DEFAULT_STUDENT_SPEC,
            "arith": DEFAULT_ARITH_SPEC}
