@@ -22,7 +22,8 @@ def test_every_group_has_options():
     for group, options in GROUPS.items():
         assert options, f"conf/{group} is empty"
     assert set(GROUPS["estimator"]) == {"naive_mc", "naive_cv", "token", "seq", "cumulative", "loo", "rb",
-                                        "in_reward", "in_loss", "library", "trl_grpo", "verl_low_var_kl"}
+                                        "in_reward", "in_loss", "library", "trl_grpo", "verl_low_var_kl",
+                                        "k3_in_reward", "frpo", "kl_fused"}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
