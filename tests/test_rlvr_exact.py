@@ -86,3 +86,25 @@ def test_grpo_fused_is_not_after_at_any_beta(setting):
     coef = torch.linalg.lstsq(basis, g.unsqueeze(-1)).solution
     resid = torch.linalg.norm(basis @ coef - g.unsqueeze(-1)) / torch.linalg.norm(g)
     assert resid > 1e-3, float(resid)
+
+
+def test_aggregation_cells_of_the_audit_in_klbench_terms():
+    """What moves TRL's loss_type=grpo cell to "none of the above" and scales dr_grpo's (docs/rlvr.md): the same
+    KL loss (k3 in the loss, TRL's use_bias_correction_kl=False) aggregated as seq_sum, seq_mean_token_mean
+    (1/|y| per sequence: a sample-dependent weight) and seq_sum_norm (a constant 1/L_max)."""
+    from klbench.estimators import gradient_estimator
+    from klbench.estimators.advantages import aggregate
+    from klbench.estimators.placement import value_terms
+    from klbench.exact.tabular import audit
+
+    def per_sequence(kind):
+        def loss(batch):  # [B]: each sequence aggregated on its own, as the audit calls a library per sequence
+            terms, _ = value_terms(batch, "k3", 1.0, "token")  # [B, T]
+            return torch.stack([aggregate(terms[i:i + 1], batch.mask[i:i + 1], kind, max_len=8)
+                                for i in range(len(terms))])
+        return loss
+
+    assert audit(lambda b: gradient_estimator("in_loss", value="k3", ratio="none")(b)).match == "partial_kl_ref_pi"
+    assert audit(per_sequence("seq_sum")).match == "partial_kl_ref_pi"
+    assert audit(per_sequence("seq_sum_norm")).match == "0.125 x partial_kl_ref_pi"
+    assert audit(per_sequence("seq_mean_token_mean")).match == "none of the above"
