@@ -131,3 +131,17 @@ def test_fused_kl_is_in_the_advantage(tmp_path):
     after = _task(tmp_path, over)
     g_after, *_ = _grad(after, [after.policy.fixed_prompt] * 4)
     assert not torch.allclose(g, g_after, atol=1e-6)
+
+
+def test_ppo_reward_loss_at_ratio_one_is_the_on_policy_reward_term():
+    """task.inner_steps > 1 aggregates PPO's clipped term as task.loss_agg: at pi == pi_old its gradient is the
+    on-policy reward term's, for every aggregation."""
+    from klbench.tasks.offpolicy import ppo_reward_loss
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    old = torch.randn(2, 3, dtype=torch.float64)
+    for kind in ("seq_sum", "token_mean", "seq_mean_token_mean", "seq_sum_norm"):
+        logp = old.clone().requires_grad_()
+        g_ppo = torch.autograd.grad(ppo_reward_loss(logp, old, mask, adv, 0.2, (kind, 3))[0], logp)[0]
+        g_on = torch.autograd.grad(reward_loss(adv, logp, mask, kind, 3), logp)[0]
+        assert torch.allclose(g_ppo, g_on, atol=1e-12), kind
