@@ -29,7 +29,7 @@ import torch
 
 from klbench.estimators import KLBatch, gradient_estimator
 from klbench.estimators.advantages import advantage
-from klbench.exact.tabular import DTYPE, TabularModel
+from klbench.exact.tabular import DTYPE
 
 
 def rl_surrogate(adv: str, kl_norm: str, beta: float, value: str = "k1", eps: float = 1e-6) -> Callable:
@@ -47,9 +47,9 @@ def rl_surrogate(adv: str, kl_norm: str, beta: float, value: str = "k1", eps: fl
     return {"after": after, "fused": fused}[kl_norm]
 
 
-def expected_gradient(model: TabularModel, theta: torch.Tensor, reward: torch.Tensor, n: int,
+def expected_gradient(model, theta: torch.Tensor, reward: torch.Tensor, n: int,
                       surrogate: Callable) -> torch.Tensor:
-    """[P, K] E[grad (1/n) sum_i L_i] over n i.i.d. samples of pi, exactly."""
+    """[P, K] E[grad (1/n) sum_i L_i] over n i.i.d. samples of pi, exactly (model: klbench.exact.tabular's)."""
     return model.gradient_moments(surrogate, theta, n, reward=reward).mean
 
 
@@ -82,7 +82,7 @@ def grpo_objective(p: float, n: int, eps: float = 1e-6) -> float:
     return total
 
 
-def success_probability(model: TabularModel, theta: torch.Tensor, reward: torch.Tensor) -> torch.Tensor:
+def success_probability(model, theta: torch.Tensor, reward: torch.Tensor) -> torch.Tensor:
     """p = P_pi(r = 1) of a 0/1 reward table [N], differentiable in theta."""
     return (model.seq_logprob(theta).exp() * reward.to(DTYPE)).sum()
 
