@@ -379,3 +379,12 @@ def test_the_reward_axis_can_be_another_metric(tmp_path):
     from klbench.analysis.plotly_figure import pareto_figure
     assert pareto_figure(list(runs), n_boot=0).layout.yaxis.title.text == "reward   (val/accuracy)"
     assert {float(r["reward"]) for r in csv.DictReader(open(out / "pareto.csv"))} == {0.3, 0.6}
+
+
+def test_in_reward_placements_are_cells_of_their_own():
+    from klbench.analysis.mlflow_io import estimator_label
+    base = {"estimator.name": "in_reward", "estimator.value": "k1", "estimator.form": "sequence",
+            "estimator.baseline": "none", "estimator.kl_norm": "after"}
+    assert estimator_label(base) == "in_reward:k1"
+    assert estimator_label({**base, "estimator.form": "reward_to_go"}) == "in_reward:k1:reward_to_go"  # frpo
+    assert estimator_label({**base, "estimator.kl_norm": "fused"}) == "in_reward:k1:fused"  # kl_fused

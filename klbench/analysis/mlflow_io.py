@@ -127,11 +127,17 @@ def run_ids_in_sweep(sweep_dir: str | Path) -> list[str]:
 # ---- the Pareto frontier ----
 
 def estimator_label(params: dict) -> str:
-    """The estimator name, with the value of a placement estimator (`in_reward:k3`) or the setting of a library
-    one (`library:trl.grpo`), so that every cell of a grid has its own frontier share and gap (MLflow metric
-    names allow no parentheses)."""
+    """The estimator name, with the value of a placement estimator (`in_reward:k3`, and in_reward's form,
+    baseline and kl_norm where not the default: `in_reward:k1:reward_to_go`, `in_reward:k1:fused`) or the
+    setting of a library one (`library:trl.grpo`), so that every cell of a grid has its own frontier share and
+    gap (MLflow metric names allow no parentheses)."""
     name = str(param(params, "estimator.name"))
     detail = param(params, "estimator.value") or param(params, "estimator.setting")
+    # in_reward's placement choices away from their defaults (estimator=frpo, kl_fused): cells of their own
+    for key, default in (("form", "sequence"), ("baseline", "none"), ("kl_norm", "after")):
+        value = param(params, f"estimator.{key}") if name == "in_reward" else None
+        if value is not None and value != default:
+            detail = f"{detail}:{value}"
     return f"{name}:{detail}" if detail is not None else name
 
 
