@@ -67,6 +67,15 @@ def test_grpo_after_is_the_gradient_of_F_n_of_accuracy_minus_beta_kl(setting):
     assert binary_grpo_coefficient(0.5, 8) < binary_grpo_coefficient(0.05, 8) - 0.5
 
 
+def test_frpo_return_to_go_after_grpo_is_the_same_objective(setting):
+    """estimator=frpo (k1's return-to-go after the normalisation) has the sequence placement's expected gradient."""
+    model, theta, reward = setting
+    g_r, g_kl = grads(model, theta, reward)
+    c = binary_grpo_coefficient(float(success_probability(model, theta, reward)), N_SAMPLES)
+    frpo = expected_gradient(model, theta, reward, N_SAMPLES, rl_surrogate("grpo", "after", BETA, form="reward_to_go"))
+    assert torch.allclose(frpo, -c * g_r + BETA * g_kl, atol=1e-10)
+
+
 def test_fusing_before_grpo_normalisation_is_the_gradient_of_no_objective(setting):
     model, theta, reward = setting
     after = jacobian_asymmetry(field(model, reward, "grpo", "after"), theta)

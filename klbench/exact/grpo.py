@@ -32,9 +32,11 @@ from klbench.estimators.advantages import advantage
 from klbench.exact.tabular import DTYPE
 
 
-def rl_surrogate(adv: str, kl_norm: str, beta: float, value: str = "k1", eps: float = 1e-6) -> Callable:
-    """surrogate(batch, reward [B]) -> [B] per-sample L_i of the RL task's loss, as in the module docstring."""
-    est = gradient_estimator("in_reward", value=value, kl_norm=kl_norm)
+def rl_surrogate(adv: str, kl_norm: str, beta: float, value: str = "k1", eps: float = 1e-6,
+                 form: str = "sequence") -> Callable:
+    """surrogate(batch, reward [B]) -> [B] per-sample L_i of the RL task's loss, as in the module docstring
+    (form="reward_to_go" with kl_norm="after": FRPO's placement, estimator=frpo)."""
+    est = gradient_estimator("in_reward", value=value, kl_norm=kl_norm, form=form)
     logp_sum = lambda b: b.masked_logp.sum(-1)  # noqa: E731  [B]
 
     def after(batch: KLBatch, reward: torch.Tensor) -> torch.Tensor:
