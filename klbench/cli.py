@@ -71,7 +71,8 @@ def _main(cfg: DictConfig) -> tuple[float, float] | None:
         raise
     if cfg.task.name not in TRAINING:  # a sweep's objective is a training run's (reward, KL)
         return None
-    return metrics["val/reward"], metrics["val/seq_kl"]
+    reward, kl = cfg.get("optimized_metrics") or ("val/reward", "val/seq_kl")  # experiment=arith: val/accuracy
+    return metrics[reward], metrics[kl]
 
 
 def check(cfg: DictConfig) -> None:

@@ -23,7 +23,7 @@ def test_every_group_has_options():
         assert options, f"conf/{group} is empty"
     assert set(GROUPS["estimator"]) == {"naive_mc", "naive_cv", "token", "seq", "cumulative", "loo", "rb",
                                         "in_reward", "in_loss", "library", "trl_grpo", "verl_low_var_kl", "vopd",
-                                        "topk_tail", "topk_trunc"}
+                                        "topk_tail", "topk_trunc", "k3_in_reward", "frpo", "kl_fused"}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])

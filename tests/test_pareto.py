@@ -352,3 +352,39 @@ def test_a_library_setting_with_a_plus_is_a_valid_metric_name():
     assert metric_name(label) == "library:verl.kl_penalty.k3plus"
     _validate_metric_name(f"pareto/share/{metric_name(label)}")
     assert metric_name("in_reward:k3") == "in_reward:k3"
+
+
+def test_the_reward_axis_can_be_another_metric(tmp_path):
+    """klbench-pareto --reward-metric val/accuracy (reward=answer): the points read it, runs without it are
+    skipped, and the figure names it."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+    uri = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("arith", artifact_location=str((tmp_path / "art").resolve()))
+    ids = []
+    for i, (reward, acc, kl) in enumerate([(0.9, 0.3, 1.0), (0.2, 0.6, 2.0), (0.5, None, 0.5)]):
+        rid = client.create_run(exp, run_name=f"r{i}", tags={"klbench.steps_done": "60",
+                                                             "klbench.max_steps": "60"}).info.run_id
+        ms = [Metric("val/reward", reward, 0, 1), Metric("val/seq_kl", kl, 0, 1)]
+        ms += [Metric("val/accuracy", acc, 0, 1)] if acc is not None else []
+        client.log_batch(rid, metrics=ms, params=[Param("estimator.name", "rb"), Param("seed", str(i))])
+        client.set_terminated(rid)
+        ids.append(rid)
+    runs = collect_runs(client, experiment_names=["arith"], reward_metric="val/accuracy")
+    assert sorted(r["reward"] for r in runs) == [0.3, 0.6] and runs.skipped == {"missing metric val/accuracy": [ids[2]]}
+    out = tmp_path / "pareto"
+    assert main(["--experiment", "arith", "--tracking-uri", uri, "--out", str(out), "--reward-metric",
+                 "val/accuracy", "--bootstrap", "0"]) == 0
+    from klbench.analysis.plotly_figure import pareto_figure
+    assert pareto_figure(list(runs), n_boot=0).layout.yaxis.title.text == "reward   (val/accuracy)"
+    assert {float(r["reward"]) for r in csv.DictReader(open(out / "pareto.csv"))} == {0.3, 0.6}
+
+
+def test_in_reward_placements_are_cells_of_their_own():
+    from klbench.analysis.mlflow_io import estimator_label
+    base = {"estimator.name": "in_reward", "estimator.value": "k1", "estimator.form": "sequence",
+            "estimator.baseline": "none", "estimator.kl_norm": "after"}
+    assert estimator_label(base) == "in_reward:k1"
+    assert estimator_label({**base, "estimator.form": "reward_to_go"}) == "in_reward:k1:reward_to_go"  # frpo
+    assert estimator_label({**base, "estimator.kl_norm": "fused"}) == "in_reward:k1:fused"  # kl_fused

@@ -43,6 +43,7 @@ def companions(group: str, option: str, tmp_path) -> list[str]:
             ("model", "tabular"): ["reward=tabular"],
             ("model", "hf"): ["model.name_or_path=gpt2"],
             ("reward", "tabular"): ["model=tabular"],
+            ("reward", "answer"): ["dataset=arith"],
             ("reward", "hf_classifier"): ["reward.name_or_path=lvwerra/distilbert-imdb"],
             ("dataset", "jsonl"): jsonl_overrides(tmp_path)[1:],
             ("store", "server"): ["store.mlflow=http://127.0.0.1:5000",
@@ -265,8 +266,10 @@ def test_estimator_option_checks_match_the_registry(tmp_path, key, values):
 
 
 def test_embedded_spec_mirrors_the_models_spec():
-    from klbench.models.embedded import DEFAULT_REFERENCE_SPEC
-    assert list(EmbeddedSpec.model_fields) == list(DEFAULT_REFERENCE_SPEC)
+    from klbench.models.embedded.spec import CORPUS_SPECS
+    # every corpus's keys but `corpus` itself, which the preset fixes
+    keys = {k for spec in CORPUS_SPECS.values() for k in spec} - {"corpus"}
+    assert set(EmbeddedSpec.model_fields) == keys
 
 
 def test_validate_imports_nothing_heavy(tmp_path):

@@ -127,11 +127,17 @@ def run_ids_in_sweep(sweep_dir: str | Path) -> list[str]:
 # ---- the Pareto frontier ----
 
 def estimator_label(params: dict) -> str:
-    """The estimator name, with the value of a placement estimator (`in_reward:k3`) or the setting of a library
-    one (`library:trl.grpo`), so that every cell of a grid has its own frontier share and gap (MLflow metric
-    names allow no parentheses)."""
+    """The estimator name, with the value of a placement estimator (`in_reward:k3`, and in_reward's form,
+    baseline and kl_norm where not the default: `in_reward:k1:reward_to_go`, `in_reward:k1:fused`) or the
+    setting of a library one (`library:trl.grpo`), so that every cell of a grid has its own frontier share and
+    gap (MLflow metric names allow no parentheses)."""
     name = str(param(params, "estimator.name"))
     detail = param(params, "estimator.value") or param(params, "estimator.setting")
+    # in_reward's placement choices away from their defaults (estimator=frpo, kl_fused): cells of their own
+    for key, default in (("form", "sequence"), ("baseline", "none"), ("kl_norm", "after")):
+        value = param(params, f"estimator.{key}") if name == "in_reward" else None
+        if value is not None and value != default:
+            detail = f"{detail}:{value}"
     return f"{name}:{detail}" if detail is not None else name
 
 
@@ -151,9 +157,11 @@ def child_runs(client: MlflowClient, parent_run_id: str, noticed_by: str) -> lis
 
 def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = None,
                  run_ids: Sequence[str] | None = None, parent_run_id: str | None = None,
-                 noticed_by: str = "klbench-pareto") -> RunPoints:
+                 noticed_by: str = "klbench-pareto", reward_metric: str = REWARD) -> RunPoints:
     """Runs that FINISHED all their steps, with final `val/reward` and `val/seq_kl` and an `estimator.name`
     param, one dict each (its logged params under "params", for klbench.analysis.frontier.group_runs).
+    reward_metric: the metric on the frontier's reward axis (e.g. val/accuracy of reward=answer), read into
+    each point's "reward" and named by its "reward_metric".
 
     `experiment_names` takes every run of those experiments; `parent_run_id` keeps only that sweep's
     children (searched in the parent's experiment unless experiment_names is given); `run_ids` adds
@@ -192,9 +200,9 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
             out.skip(f"status {run.info.status}", rid)
         elif not (done := runs.completed(run.data.tags))[0]:
             out.skip(done[1] if done[1].startswith("no ") else "stopped before max_steps", rid)
-        elif missing := [m for m in (REWARD, SEQ_KL) if m not in metrics]:
+        elif missing := [m for m in (reward_metric, SEQ_KL) if m not in metrics]:
             out.skip(f"missing metric {missing[0]}", rid)
-        elif bad := [m for m in (REWARD, SEQ_KL) if not math.isfinite(metrics[m])]:
+        elif bad := [m for m in (reward_metric, SEQ_KL) if not math.isfinite(metrics[m])]:
             out.skip(f"non-finite {bad[0]}", rid)
         elif param(params, "estimator.name") is None:
             out.skip("missing param estimator.name", rid)
@@ -205,7 +213,8 @@ def collect_runs(client: MlflowClient, experiment_names: Sequence[str] | None = 
             out.append({"run_id": rid, "run_name": run.info.run_name, "experiment": exp_names[eid],
                         "experiment_id": eid, "estimator": estimator_label(params),
                         "beta": _number(params, "estimator.beta"), "lam": _number(params, "estimator.lam"),
-                        "seed": _number(params, "seed"), "reward": metrics[REWARD],
+                        "seed": _number(params, "seed"), "reward": metrics[reward_metric],
+                        "reward_metric": reward_metric,
                         "seq_kl": metrics[SEQ_KL], "status": run.info.status, "params": dict(params),
                         "parent": run.data.tags.get("mlflow.parentRunId"), "start_time": run.info.start_time})
     kept, dropped = one_per_trial(out)

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-ids", nargs="+", default=[], metavar="RUN_ID", help="add these runs")
     p.add_argument("--parent", metavar="RUN_ID", help="only the child runs of this sweep parent run")
     p.add_argument("--tracking-uri", help=TRACKING_URI_HELP)
+    p.add_argument("--reward-metric", default="val/reward", metavar="METRIC",
+                   help="the metric on the reward axis (default %(default)s; val/accuracy for reward=answer)")
     p.add_argument("--vary", action="append", default=[], metavar="KEY",
                    help="a config key (e.g. task.lr) whose values may differ within one frontier; by default "
                         "only the estimator, its options and the seed do")
@@ -62,11 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         client, uri = open_client(args.tracking_uri)
         if args.log_to:
             client.get_run(args.log_to)  # fail before any work on a mistyped run id
-        found = collect_runs(client, args.experiment, args.run_ids, args.parent)
+        found = collect_runs(client, args.experiment, args.run_ids, args.parent, reward_metric=args.reward_metric)
         print(f"tracking URI: {uri}\nruns: {found.describe()}")
         if not found:
-            raise ValueError("no usable runs (FINISHED at their max_steps, with val/reward, val/seq_kl and "
-                             "estimator.name)")
+            raise ValueError(f"no usable runs (FINISHED at their max_steps, with {args.reward_metric}, val/seq_kl "
+                             "and estimator.name)")
         groups = group_runs(found, args.vary)
         if len(groups) > 1:
             if args.log_to or args.new_run:

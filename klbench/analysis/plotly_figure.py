@@ -13,21 +13,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from klbench.analysis.frontier import frontier_band, summarize
-from klbench.analysis.plots import KL_LABEL
+from klbench.analysis.plots import KL_LABEL, reward_metric
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
     from klbench.exact.tabular import Frontier
 
-REWARD_LABEL = "reward   (val/reward)"
-
 
 def _hover(p: dict) -> str:
     rows = [f"<b>{p.get('run_name') or p.get('run_id', '')}</b>", f"estimator {p['estimator']}"]
     rows += [f"{k} {p[k]:g}" if isinstance(p[k], float) else f"{k} {p[k]}"
              for k in ("beta", "lam", "seed") if p.get(k) is not None]
-    rows += [f"val/reward {p['reward']:.4f}", f"val/seq_kl {p['seq_kl']:.4f}"]
+    rows += [f"{p.get('reward_metric') or 'val/reward'} {p['reward']:.4f}", f"val/seq_kl {p['seq_kl']:.4f}"]
     return "<br>".join(rows + (["on the empirical frontier"] if p.get("on_frontier") else []))
 
 
@@ -77,6 +75,6 @@ def pareto_figure(points: Any, exact_frontier: Frontier | None = None, title: st
         title={"text": f"{title}<br><sup>hypervolume {summary['hypervolume']:.4g} (ref: reward="
                        f"{summary['ref_point'][0]:g}, KL={summary['ref_point'][1]:g} nats); ringed: on the "
                        "empirical frontier</sup>"},
-        xaxis_title=KL_LABEL, yaxis_title=REWARD_LABEL, template="plotly_white", hovermode="closest",
+        xaxis_title=KL_LABEL, yaxis_title=f"reward   ({reward_metric(recs)})", template="plotly_white", hovermode="closest",
         legend={"orientation": "h", "yanchor": "top", "y": -0.18, "xanchor": "left", "x": 0})
     return fig

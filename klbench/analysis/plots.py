@@ -49,7 +49,7 @@ def plot_pareto(points: Any, path: str | Path, exact_frontier: Frontier | None =
                 np.asarray(exact_frontier.rewards, dtype=float)[order],
                 "k--", linewidth=1.2, label="exact optimum pi*_beta (tabular)")
     ax.set_xlabel(KL_LABEL)
-    ax.set_ylabel("reward   (val/reward)")
+    ax.set_ylabel(f"reward   ({reward_metric(recs)})")
     ax.set_title(f"{title}\nhypervolume {summary['hypervolume']:.4g} "
                  f"(ref: reward={summary['ref_point'][0]:g}, KL={summary['ref_point'][1]:g} nats)", fontsize=10)
     ax.grid(alpha=0.3)
@@ -97,3 +97,9 @@ def plot_bands(bands: dict[str, Band], path: Path, title: str = "", log_y: bool 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     return path
+
+
+def reward_metric(points) -> str:
+    """The metric on the reward axis of these points (klbench.analysis.mlflow_io.collect_runs: val/reward unless
+    the frontier was asked for another, e.g. val/accuracy)."""
+    return next((p["reward_metric"] for p in points if p.get("reward_metric")), "val/reward")

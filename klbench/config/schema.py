@@ -23,11 +23,13 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, TypeAdap
 
 from klbench.config.errors import ConfigError  # noqa: F401  (raised here, and imported from here by callers)
 from klbench.config.explain import explain
-from klbench.estimators.options import (REPORTED_VALUES, ControlVariateOptions, Expect, InLossOptions,
-                                        InRewardOptions, LibraryOptions, Options, TopKTailOptions, TopKTruncOptions,
-                                        VOPDOptions, setting_task)
+from klbench.estimators.options import (ADVANTAGES, GROUP_ADVANTAGES, LOSS_AGGS, REPORTED_VALUES,
+                                        ControlVariateOptions, Expect, InLossOptions, InRewardOptions,
+                                        LibraryOptions, Options, TopKTailOptions, TopKTruncOptions, VOPDOptions,
+                                        setting_task)
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
-from klbench.models.prompts_jsonl import read_prompts
+from klbench.models.answer import EXTRACTS
+from klbench.models.prompts_jsonl import read_prompts, read_rows
 from klbench.probe.config import ProbeOptions
 
 Str = Annotated[str, Field(min_length=1)]
@@ -88,6 +90,11 @@ class TaskRL(SamplingFields):
     # a small klbench.probe.measure at the validations whose step is a multiple of probe_every (null: never)
     probe_every: Optional[int] = Field(None, ge=1)
     probe: Optional[_ProbeFields] = None
+    # the reward term (klbench/estimators/advantages.py): its advantage, the std's epsilon of grpo, and how
+    # its per-token terms are aggregated
+    advantage: Literal[ADVANTAGES] = "rloo"
+    adv_eps: float = Field(1e-6, gt=0)
+    loss_agg: Literal[LOSS_AGGS] = "seq_sum"
 
 
 class TaskDistill(TaskRL):
@@ -197,7 +204,9 @@ class EmbeddedSpec(Options):
                     Expect("null or a cache directory name: letters, digits, _ . -")] = None
     corpus_size: Optional[int] = Field(None, ge=1)
     corpus_seed: Optional[int] = None
-    positive_fraction: Optional[float] = Field(None, ge=0, le=1)
+    positive_fraction: Optional[float] = Field(None, ge=0, le=1)  # the review presets'
+    noise_fraction: Optional[float] = Field(None, ge=0, le=1)  # preset arith's (klbench/models/embedded/arith.py)
+    digits: Optional[int] = Field(None, ge=2)  # preset arith's
     vocab_size: Optional[int] = Field(None, ge=1)
     n_embd: Optional[int] = Field(None, ge=1)
     n_layer: Optional[int] = Field(None, ge=1)
@@ -223,7 +232,7 @@ class Lora(Options):
 
 class ModelEmbedded(Options):
     kind: Literal["embedded"]
-    preset: Literal["reference", "teacher", "student"]
+    preset: Literal["reference", "teacher", "student", "arith"]
     spec: EmbeddedSpec
     dtype: DType
     lora: Lora = Lora()
@@ -267,11 +276,20 @@ class DatasetEmbedded(DatasetOptions):
     source: Literal["embedded"]
 
 
+class DatasetArith(DatasetOptions):
+    """Generated arithmetic prompts (klbench/models/embedded/arith.py); the answers are computed from them."""
+    source: Literal["arith"]
+    digits: int = Field(ge=2)
+    max_train: PosInt
+    seed: int
+
+
 class DatasetJsonl(DatasetOptions):
     source: Literal["jsonl"]
     train_path: Str
     val_path: Str
     field: Str
+    answer_field: Optional[Str] = None  # reward=answer: the field holding each row's reference answer
 
 
 class DatasetHF(DatasetOptions):
@@ -283,9 +301,10 @@ class DatasetHF(DatasetOptions):
     prompt_words: Optional[PosInt]  # null: whole texts (and a messages field)
     max_train: PosInt
     max_val: PosInt
+    answer_field: Optional[Str] = None  # reward=answer: the column holding each row's reference answer
 
 
-Dataset = Union[DatasetEmbedded, DatasetJsonl, DatasetHF]
+Dataset = Union[DatasetEmbedded, DatasetJsonl, DatasetHF, DatasetArith]
 
 
 # ---- reward ----
@@ -312,7 +331,26 @@ class RewardHFClassifier(Options):
     batch_size: PosInt
 
 
-Reward = Union[RewardVader, RewardTabular, RewardNone, RewardHFClassifier]
+def _regex_ok(v: Any) -> bool:
+    try:
+        re.compile(v)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+class RewardAnswer(Options):
+    """klbench.models.answer: 1 where the extracted final answer matches the reference, plus format_reward
+    where an answer could be extracted at all."""
+    kind: Literal["answer"]
+    extract: Literal[EXTRACTS] = "last_number"
+    pattern: Annotated[Optional[str], _check(lambda v: v is None or _regex_ok(v)),
+                       Expect("null or a Python regular expression (its first group, if any, is the answer)")] = None
+    format_reward: float = 0.0
+    axis: Literal["val/accuracy", "val/reward"] = "val/accuracy"  # a sweep's objective, the frontier's reward axis
+
+
+Reward = Union[RewardVader, RewardTabular, RewardNone, RewardHFClassifier, RewardAnswer]
 
 
 # ---- hardware: the Lightning Trainer's arguments ----
@@ -469,6 +507,7 @@ def validate(cfg: DictConfig) -> None:
         return
     _check_combination(cfg, task, est, model, teacher, reward)
     _check_sampling(task, est, kl_ctl.name)
+    _check_objectives(cfg, reward)
     _check_context(cfg)
     _check_probe_every(task)
     _check_kl_ctl(task, kl_ctl)
@@ -505,12 +544,64 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
     _check_placement(t, e, OmegaConf.select(cfg, "kl_ctl.name"))
     if e.name == "loo" and n < 2:
         raise ConfigError(f"estimator loo needs task.n_samples >= 2 (samples per prompt), got {n}")
-    if reward != "none" and t.reward_coef != 0 and n < 2:
-        raise ConfigError(f"the RLOO reward baseline needs task.n_samples >= 2, got {n}")
+    _check_reward_term(t, e, reward)
     if model == "tabular" and reward not in ("tabular", "none"):
         raise ConfigError(f"model=tabular needs reward=tabular or reward=none (got reward.kind={reward})")
     if reward == "tabular" and model != "tabular":
         raise ConfigError(f"reward=tabular needs model=tabular (got model.kind={model})")
+    if reward == "answer":
+        _check_answer(cfg)
+    elif cfg.dataset.get("answer_field") is not None:
+        raise ConfigError(f"dataset.answer_field={cfg.dataset.answer_field} is read by reward=answer only, got "
+                          f"reward={reward}: drop it (dataset.answer_field=null) or use reward=answer")
+
+
+def _check_answer(cfg: DictConfig) -> None:
+    """reward=answer: reference answers from the dataset, and a pattern exactly where extract=regex reads one."""
+    r, ds = cfg.reward, cfg.dataset
+    if (r.extract == "regex") != (r.get("pattern") is not None):
+        raise ConfigError(f"reward.pattern is read by reward.extract=regex only, and regex needs one: got "
+                          f"reward.extract={r.extract}, reward.pattern={r.get('pattern')!r}")
+    if ds.source == "embedded":
+        raise ConfigError("reward=answer needs prompts with reference answers: dataset=embedded (review openings) has "
+                          "none; use dataset=jsonl or dataset=hf with dataset.answer_field=<field>, or experiment=arith")
+    if ds.source in ("jsonl", "hf") and ds.get("answer_field") is None:
+        raise ConfigError(f"reward=answer needs dataset.answer_field: the {'field' if ds.source == 'jsonl' else 'column'}"
+                          f" of dataset={ds.source} holding each prompt's reference answer")
+
+
+def _check_objectives(cfg: DictConfig, reward: str) -> None:
+    """optimized_metrics: what a training run returns to the sweeper and the frontier's axes (reward, KL)."""
+    om = cfg.get("optimized_metrics")
+    om = list(om) if om is not None else ["val/reward", "val/seq_kl"]
+    rewards = ("val/reward", "val/accuracy") if reward == "answer" else ("val/reward",)
+    if len(om) != 2 or om[0] not in rewards or om[1] != "val/seq_kl":
+        raise ConfigError(f"optimized_metrics must be [<reward metric>, val/seq_kl] with the reward metric one of "
+                          f"{', '.join(rewards)} (val/accuracy needs reward=answer); got {om}")
+
+
+def _check_reward_term(t: TaskRL, e: BaseModel, reward: str) -> None:
+    """task.advantage and task.loss_agg shape the reward term (klbench/estimators/advantages.py): a group needs
+    n >= 2 samples per prompt, and without a reward term (and no KL fused into it) they would be ignored."""
+    n, adv = t.n_samples, t.advantage
+    fused = e.name == "in_reward" and e.kl_norm == "fused"
+    has_term = fused or (reward != "none" and t.reward_coef != 0)
+    if adv == "rloo" and has_term and n < 2:
+        raise ConfigError(f"the RLOO reward baseline needs task.n_samples >= 2, got {n}")
+    if adv in GROUP_ADVANTAGES and adv != "rloo" and n < 2:
+        raise ConfigError(f"task.advantage={adv} normalises over the samples of a prompt, but task.n_samples={n} "
+                          "gives no group: set task.n_samples >= 2 (or task.advantage=reinforce)")
+    if adv == "reinforce" and has_term and n * t.prompts_per_step < 2:
+        raise ConfigError("task.advantage=reinforce subtracts the batch mean, which needs at least 2 sequences per "
+                          f"step, got task.prompts_per_step x task.n_samples = {t.prompts_per_step * n}")
+    if not has_term and (adv != "rloo" or t.loss_agg != "seq_sum"):
+        why = "reward=none" if reward == "none" else "task.reward_coef=0"
+        raise ConfigError(f"task.advantage={adv} and task.loss_agg={t.loss_agg} shape the reward term, but {why} "
+                          "leaves none (and no KL is fused into it): leave them at rloo and seq_sum")
+    if fused and (e.form, e.baseline, e.max_weight) != ("sequence", "none", None):
+        raise ConfigError("estimator.kl_norm=fused puts the sequence KL into the sequence reward, whose advantage is "
+                          "its baseline: it needs estimator.form=sequence, estimator.baseline=none and "
+                          f"estimator.max_weight=null; got {e.form}, {e.baseline}, {e.max_weight}")
 
 
 def _check_chat(ds: SimpleNamespace, model: str) -> None:
@@ -669,7 +760,8 @@ def _check_placement(t: TaskRL, e: BaseModel, ctl: str | None) -> None:
 def _check_jsonl(ds: DictConfig, min_train: int) -> None:
     for key in ("train_path", "val_path"):
         try:
-            prompts = read_prompts(ds[key], ds.field, bool(ds.get("chat_template", False)))
+            prompts = [p for p, _ in read_rows(ds[key], ds.field, ds.get("answer_field"),
+                                               bool(ds.get("chat_template", False)))]
         except (OSError, ValueError) as e:
             raise ConfigError(f"dataset.{key}: {e}") from None
         if key == "train_path" and len(prompts) < min_train:

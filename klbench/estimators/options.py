@@ -57,6 +57,10 @@ class PlacementOptions(Multiplier):
 class InRewardOptions(PlacementOptions):
     form: Literal["sequence", "reward_to_go"] = "sequence"
     baseline: Literal["none", "loo"] = "none"
+    # where the KL enters relative to the reward's advantage (task.advantage): "after" it, as its own REINFORCE
+    # term (FRPO's placement); "fused" into the reward before the advantage, r - beta v, as GRPO-with-KL-in-reward
+    # implementations do (the RL task applies it: klbench/tasks/rl.py, klbench/estimators/advantages.py)
+    kl_norm: Literal["after", "fused"] = "after"
 
 
 class InLossOptions(PlacementOptions):
@@ -78,6 +82,12 @@ class TopKTruncOptions(Options):
     """topk_trunc (a pitfall): the size of the top-k set and whose top-k it is."""
     k: int = Field(2, ge=1)
     head: Literal["teacher", "policy"] = "teacher"
+
+
+# the reward term's options (task.advantage, task.loss_agg): klbench/estimators/advantages.py states each formula
+ADVANTAGES = ("rloo", "grpo", "dr_grpo", "reinforce")
+GROUP_ADVANTAGES = ("rloo", "grpo", "dr_grpo")  # need n >= 2 samples per prompt
+LOSS_AGGS = ("seq_sum", "token_mean", "seq_mean_token_mean", "seq_sum_norm")
 
 
 # the libraries klbench.libraries has adapters for (an estimator=library setting starts with one of them)

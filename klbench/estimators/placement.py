@@ -106,6 +106,12 @@ class InReward(_Placement):
       value=cv, sequence:  grad kl_pi_ref - lam grad kl_ref_pi                -> none (lam != 0)
       value=k2:            grad E_pi[k2] - grad partial_kl_pi_ref             -> none
     With truncation that fires: none of these (biased towards smaller steps on unlikely samples).
+
+    kl_norm="fused" is not a surrogate of its own: the RL task puts v into the reward before the advantage,
+    A(reward_coef r - beta v) (klbench.estimators.advantages), and `sequence_value` gives it v. It needs
+    form="sequence", baseline="none" (the advantage is the baseline) and no max_weight. With task.advantage=rloo
+    or dr_grpo it equals "after" up to the advantage's own factor; with grpo the group std divides the KL
+    too, and the expected gradient is then no KL gradient (docs/rlvr.md).
     """
 
     name = "in_reward"
@@ -117,8 +123,21 @@ class InReward(_Placement):
         super().__init__(**options)
         if self.form == "reward_to_go":
             self._per_token_needed("form='reward_to_go'")
+        if self.kl_norm == "fused" and (self.form, self.baseline, self.max_weight) != ("sequence", "none", None):
+            raise ValueError(f"estimator {self.name!r}: kl_norm='fused' puts the sequence value into the sequence "
+                             "reward, whose advantage is its baseline: it needs form='sequence', baseline='none' "
+                             f"and max_weight=None; got form={self.form!r}, baseline={self.baseline!r}, "
+                             f"max_weight={self.max_weight!r}")
+
+    def sequence_value(self, batch: KLBatch) -> torch.Tensor:
+        """[B] the detached per-sequence value v that kl_norm='fused' puts into the reward."""
+        terms, per_token = value_terms(batch, self.value, self.lam, self.level)
+        return (seq_sum(terms) if per_token else terms).detach()
 
     def compute(self, batch: KLBatch) -> Estimate:
+        if self.kl_norm == "fused":
+            raise ValueError(f"estimator {self.name!r} with kl_norm='fused' has no surrogate of its own: the RL task "
+                             "fuses sequence_value(batch) into the reward before task.advantage")
         terms, per_token = value_terms(batch, self.value, self.lam, self.level)
         terms = terms.detach()  # [B, T] or [B]: in the reward, no gradient through the value
         log_w = batch.log_w.detach()  # [B, T], exactly zero on-policy

@@ -211,18 +211,21 @@ class TabularModel:
 
     def gradient_moments(self, surrogate: Surrogate, theta: torch.Tensor, n: int = 1,
                          behaviour: torch.Tensor | None = None, sampling: Sampling | None = None,
-                         target: str = "sampler") -> "Moments":
+                         target: str = "sampler", reward: torch.Tensor | None = None) -> "Moments":
         """Exact mean [P, K] and trace of covariance of the gradient sample grad (1/n) sum_i L_i, where the
         n samples of one prompt are drawn i.i.d. from pi, or from the behaviour table pi_old [P, K] if given
         (the batch then carries old_logp), or from pi_s if a sampling is given (the batch is then the target's,
-        target_batch). Per-tuple gradients come from one backward pass through per-tuple copies of theta."""
+        target_batch). Per-tuple gradients come from one backward pass through per-tuple copies of theta. With a
+        reward table [N], the surrogate is called as surrogate(batch, rewards [B]): a reward term (an advantage
+        over the group) enters the gradient with the KL's."""
         idx, w = self._tuples(self.sample_probs(theta, behaviour, sampling), n)
         M = idx.shape[0]
         copies = theta.detach().expand(M, -1, -1).clone().requires_grad_()  # [M, P, K]
         owner = torch.arange(M).repeat_interleave(n)  # [M * n]
         batch = self.batch(copies, idx.reshape(-1), owner, group=owner, behaviour=behaviour, sampling=sampling,
                            target=target)
-        surr = _as_tensor(surrogate(batch), M * n)
+        surr = _as_tensor(surrogate(batch) if reward is None else surrogate(batch, reward.to(DTYPE)[idx.reshape(-1)]),
+                          M * n)
         if surr.requires_grad:
             g = torch.autograd.grad(surr.sum() / n, copies)[0].reshape(M, -1)  # [M, P*K]
         else:  # a loss computed under no_grad (skyrl-train 0.3.1's KL loss): backward gives the optimiser nothing

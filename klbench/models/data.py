@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
 from klbench.config.errors import ConfigError
-from klbench.models.prompts_jsonl import check_prompt, read_prompts
+from klbench.models.prompts_jsonl import check_prompt, read_prompts, read_rows
 
 
 def load_prompts(cfg, policy=None) -> tuple[list[str], list[str]]:
@@ -21,21 +22,27 @@ def load_prompts(cfg, policy=None) -> tuple[list[str], list[str]]:
         train, val = embedded_prompts("train"), embedded_prompts("val")
     elif cfg.source == "jsonl":
         train, val = read_prompts(cfg.train_path, cfg.field, chat), read_prompts(cfg.val_path, cfg.field, chat)
+    elif cfg.source == "arith":  # as many fresh problems as asked for; validation from the held-out tenth
+        from klbench.models.embedded.arith import arith_prompts
+        train, val = arith_prompts("train", cfg.max_train, cfg.digits, cfg.seed), arith_prompts("val", 1024, cfg.digits, 0)
     elif cfg.source == "hf":
         train, val = (_read_hf(cfg.name, cfg.train_split, cfg.field, cfg.prompt_words, cfg.max_train, chat),
                       _read_hf(cfg.name, cfg.val_split, cfg.field, cfg.prompt_words, cfg.max_val, chat))
     else:
-        raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
+        raise ValueError(f"dataset.source must be embedded, jsonl, hf or arith; got {cfg.source!r}")
     if not chat:
         return train, val
+    rendered = (_render(cfg, policy, train, "train"), _render(cfg, policy, val, "val"))
+    policy.add_special_tokens = False  # the template wrote BOS (where the model has one): never a second
+    return rendered
+
+
+def _render(cfg, policy, prompts: list, split: str) -> list[str]:
+    """Prompts (texts or messages) rendered with the chat template of `policy`'s tokenizer (klbench.models.chat)."""
     if getattr(policy, "tok", None) is None:
         raise ConfigError("dataset.chat_template=true needs a language model's tokenizer (model=hf or embedded)")
     from klbench.models.chat import render_prompts
-    system = cfg.get("system_prompt")
-    rendered = (render_prompts(policy.tok, train, system, prompt_source(cfg, "train")),
-                render_prompts(policy.tok, val, system, prompt_source(cfg, "val")))
-    policy.add_special_tokens = False  # the template wrote BOS (where the model has one): never a second
-    return rendered
+    return render_prompts(policy.tok, prompts, cfg.get("system_prompt"), prompt_source(cfg, split))
 
 
 def check_prompt_lengths(cfg, policy, train: list[str], val: list[str]) -> None:
@@ -56,7 +63,50 @@ def prompt_source(cfg, split: str) -> str:
     return f"dataset={cfg.source} ({split} prompts)"
 
 
+def load_answers(cfg, policy=None) -> Mapping[str, str]:
+    """prompt -> reference answer (klbench.models.answer.reference_answer) of both splits of a `dataset` config
+    with dataset.answer_field (reward=answer), keyed by the prompt as the rollout shows it (rendered with
+    `policy`'s chat template under dataset.chat_template=true). A row without the field names the file or split,
+    the row and the field; one prompt with two different answers is refused."""
+    from klbench.models.answer import reference_answer
+    field, chat = cfg.get("answer_field"), bool(cfg.get("chat_template", False))
+    if cfg.source == "arith":
+        from klbench.models.embedded.arith import ArithAnswers
+        return ArithAnswers()
+    if cfg.source == "embedded":
+        raise ValueError("reward=answer needs prompts with reference answers: dataset=embedded (review openings) "
+                         "has none; use dataset=jsonl or dataset=hf with dataset.answer_field, or experiment=arith")
+    if field is None:
+        raise ValueError(f"reward=answer needs dataset.answer_field, the field of each row holding the reference "
+                         f"answer (dataset={cfg.source})")
+    elif cfg.source == "jsonl":
+        pairs = [pa for key in ("train_path", "val_path") for pa in read_rows(cfg[key], cfg.field, field, chat)]
+    elif cfg.source == "hf":
+        pairs = [pa for split in (cfg.train_split, cfg.val_split)
+                 for pa in _hf_pairs(cfg.name, split, cfg.field, cfg.prompt_words, cfg.max_val if split ==
+                                     cfg.val_split else cfg.max_train, chat, field)]
+    else:
+        raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
+    if chat:  # the rollout's prompts are the rendered ones
+        keys = _render(cfg, policy, [q for q, _ in pairs], "train and val")
+        pairs = [(k, a) for k, (_, a) in zip(keys, pairs)]
+    out: dict[str, str] = {}
+    for prompt, answer in pairs:
+        ref = reference_answer(answer)
+        if out.setdefault(prompt, ref) != ref:
+            raise ValueError(f"the prompt {prompt[:80]!r} appears with two reference answers ({out[prompt]!r}, "
+                             f"{ref!r}): reward=answer could not tell which to score against")
+    return out
+
+
 def _read_hf(name: str, split: str, field: str, words: int | None, limit: int, chat: bool) -> list:
+    return [p for p, _ in _hf_pairs(name, split, field, words, limit, chat)]
+
+
+def _hf_pairs(name: str, split: str, field: str, words: int | None, limit: int, chat: bool,
+              answer_field: str | None = None) -> list[tuple[object, object]]:
+    """(prompt, answer) of the split's first `limit` rows after a seeded shuffle; text prompts cut to `words`
+    words (None: whole), messages (with chat) as they are."""
     try:
         import datasets
     except ImportError as e:
@@ -71,6 +121,14 @@ def _read_hf(name: str, split: str, field: str, words: int | None, limit: int, c
         ds = datasets.load_dataset(name, split=split)
     if field not in ds.column_names:
         raise ValueError(f"HF dataset {name!r} has no column {field!r} (dataset.field); columns: {ds.column_names}")
+    if answer_field is not None:
+        if answer_field not in ds.column_names:
+            raise ValueError(f"HF dataset {name!r} (split {split!r}) has no column {answer_field!r} "
+                             f"(dataset.answer_field); columns: {ds.column_names}")
+        for i, a in enumerate(ds[answer_field]):
+            if a is None or (isinstance(a, str) and not a.strip()):
+                raise ValueError(f"HF dataset {name!r} (split {split!r}) row {i} has no value in field "
+                                 f"{answer_field!r} (dataset.answer_field): {a!r}")
     ds = ds.shuffle(seed=0).select(range(min(limit, len(ds))))
     out = []
     for i, value in enumerate(ds[field]):
@@ -83,7 +141,9 @@ def _read_hf(name: str, split: str, field: str, words: int | None, limit: int, c
             out.append(value)
         else:
             out.append(value if words is None else " ".join(value.split()[:words]))
-    return out
+    if answer_field is None:
+        return [(p, None) for p in out]
+    return list(zip(out, ds[answer_field]))
 
 
 class PromptData(pl.LightningDataModule):

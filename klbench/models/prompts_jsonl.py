@@ -32,6 +32,12 @@ def check_prompt(value, chat: bool) -> str | None:
 
 def read_prompts(path: str, field: str, chat: bool = False) -> list[Prompt]:
     """The `field` prompt of every non-blank line; errors name `path:line`. chat: messages are allowed."""
+    return [p for p, _ in read_rows(path, field, None, chat)]
+
+
+def read_rows(path: str, field: str, answer_field: str | None = None, chat: bool = False) -> list[tuple[Prompt, object]]:
+    """(prompt, answer) of every non-blank line: the `field` prompt and, with answer_field, that field's value
+    (a string or a number; None without it). Errors name `path:line` and the field. chat: messages are allowed."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file {path!r} does not exist")
     out = []
@@ -49,7 +55,16 @@ def read_prompts(path: str, field: str, chat: bool = False) -> list[Prompt]:
                 raise ValueError(f"{path}:{i} has no field {field!r} (dataset.field); keys: {sorted(row)}")
             if (why := check_prompt(row[field], chat)) is not None:
                 raise ValueError(f"{path}:{i} field {field!r} {why}")
-            out.append(row[field])
+            answer = None
+            if answer_field is not None:
+                if answer_field not in row:
+                    raise ValueError(f"{path}:{i} has no field {answer_field!r} (dataset.answer_field); "
+                                     f"keys: {sorted(row)}")
+                answer = row[answer_field]
+                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+                    raise ValueError(f"{path}:{i} field {answer_field!r} (dataset.answer_field) is not a string or "
+                                     f"a number: {answer!r}")
+            out.append((row[field], answer))
     if not out:
         raise ValueError(f"dataset file {path!r} holds no prompts")
     return out

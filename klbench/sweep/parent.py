@@ -118,13 +118,15 @@ def finish(client, config: DictConfig, parent: str, study: tuple[str, str] | Non
         # trials stopped by their config have no MLflow run: the study is where they are recorded
         client.set_tag(parent, "klbench.sweep.failed_trials", failed[:5000])
         log.warning("failed trials (see each trial's log for the error): %s", failed)
-    runs = collect_runs(client, parent_run_id=parent, noticed_by="the sweep's end")
+    # the reward axis is the sweep's first objective (experiment=arith: val/accuracy)
+    metric = (list(OmegaConf.select(config, "optimized_metrics") or []) or ["val/reward"])[0]
+    runs = collect_runs(client, parent_run_id=parent, noticed_by="the sweep's end", reward_metric=metric)
     log.info("sweep %s: trial runs %s; for the Pareto plot: %s", parent, counts, runs.describe())
     swept = list(OmegaConf.select(config, "hydra.sweeper.params") or {})
     if len(groups := group_runs(runs, vary=swept)) > 1:
         raise ValueError(f"the trials are not comparable, so no one frontier: {describe_groups(groups)}")
     if not runs:
-        client.set_tag(parent, "klbench.sweep.result", "no trial finished with finite val/reward and val/seq_kl")
+        client.set_tag(parent, "klbench.sweep.result", f"no trial finished with finite {metric} and val/seq_kl")
         log.error("sweep %s: no trial finished with usable metrics; parent run marked FAILED", parent)
         client.set_terminated(parent, "FAILED")
         return

@@ -2,7 +2,8 @@
 
 Step i of a rollout (i = global_step mod inner_steps) trains on samples from pi_old, the policy at step 0 of the
 rollout. The reward term is PPO's clipped surrogate with the per-token ratio w_t = pi(y_t|y_<t) / pi_old(y_t|y_<t)
-and the rollout's RLOO advantage A (fixed for the rollout):
+and the rollout's advantage A (task.advantage, fixed for the rollout), aggregated as task.loss_agg
+(klbench/estimators/advantages.py; seq_sum shown):
 
     loss_reward = -mean_i sum_t min(w_t A_i, clip(w_t, 1 - clip_eps, 1 + clip_eps) A_i)
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from klbench.estimators.baselines import rloo_advantage
+from klbench.estimators.advantages import aggregate
 from klbench.models.policies import Rollout
 
 
@@ -27,14 +28,15 @@ from klbench.models.policies import Rollout
 class CachedRollout:
     ro: Rollout
     reward: torch.Tensor  # [B]
-    adv: torch.Tensor  # [B] RLOO advantage
+    adv: torch.Tensor  # [B] task.advantage
     old_logp: torch.Tensor  # [B, T] the KL batch's behaviour log-probs at the rollout, detached
     old_sampler_logp: torch.Tensor  # [B, T] log pi_s,old of the sampled tokens (the reward's PPO ratio), detached
 
 
 def ppo_reward_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
-                    clip_eps: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clipped reward loss (scalar) and its ratio statistics.
+                    clip_eps: float, loss_agg: tuple[str, int | None] = ("seq_sum", None)
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clipped reward loss (scalar, aggregated as loss_agg = (task.loss_agg, L_max)) and its ratio statistics.
 
     logp, old_logp: [B, T]; mask: [B, T] bool; adv: [B]. Statistics over real tokens: `ratio_mean` (mean w_t)
     and `clip_frac`, the fraction of tokens whose gradient the clip removes (w_t > 1 + eps with A > 0, or
@@ -45,7 +47,7 @@ def ppo_reward_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
     w = torch.exp(log_w)  # [B, T]
     a = adv.to(logp.dtype).unsqueeze(-1)  # [B, 1]
     per_token = torch.minimum(w * a, w.clamp(1 - clip_eps, 1 + clip_eps) * a)  # [B, T]
-    loss = -torch.where(mask, per_token, zero).sum(-1).mean()
+    loss = -aggregate(per_token, mask, *loss_agg)
     with torch.no_grad():
         clipped = ((w > 1 + clip_eps) & (a > 0)) | ((w < 1 - clip_eps) & (a < 0))  # [B, T]
         n = mask.sum().clamp(min=1)
@@ -64,7 +66,8 @@ def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
         # the behaviour policy is the sampler's: log pi_s,old; for kl_target=model the batch carries it already
         old = batch.old_logp if batch.old_logp is not None else batch.logp.detach()
         slogp = task.policy.sampler_logp(ro, batch)
-        task.cached_rollout = CachedRollout(ro, reward, rloo_advantage(reward, ro.group), old, slogp.detach())
+        task.cached_rollout = CachedRollout(ro, reward, task.reward_advantage(batch, reward, ro.group), old,
+                                            slogp.detach())
     else:
         if task.cached_rollout is None:
             raise RuntimeError(f"step {step} is step {i} of a rollout, but no rollout is cached: a checkpoint off a "
@@ -72,7 +75,8 @@ def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
         batch = task.policy.score(task.cached_rollout.ro)
         slogp = task.policy.sampler_logp(task.cached_rollout.ro, batch)
     c = task.cached_rollout
-    loss_reward, stats = ppo_reward_loss(slogp, c.old_sampler_logp, batch.mask, c.adv, float(task.cfg["clip_eps"]))
+    loss_reward, stats = ppo_reward_loss(slogp, c.old_sampler_logp, batch.mask, c.adv, float(task.cfg["clip_eps"]),
+                                         task.loss_agg)
     # at i == 0 old_logp is logp itself, detached (an on-policy batch for every estimator), but for
     # kl_target=model off plain sampling, where it is log pi_s
     loss, n_clamped = task.total_loss(replace(batch, old_logp=c.old_logp), loss_reward,

@@ -1,10 +1,13 @@
 """task=rl: maximise E[r] - beta * KL(pi || pi_ref). Thin wiring: rollout, reward, loss, logging.
 
-Reward gradient: REINFORCE with a leave-one-out baseline over the n samples of a prompt (RLOO), on the
+Reward gradient: REINFORCE with the advantage task.advantage (rloo by default: a leave-one-out baseline over
+the n samples of a prompt) aggregated over tokens as task.loss_agg (klbench/estimators/advantages.py), on the
 sampler's log pi_s (the reward is that of the policy as it samples, task.temperature/top_k/top_p).
 KL gradient: beta * the configured gradient estimator's surrogate on the KL target's batch (task.kl_target,
-docs/sampling.md). Every value estimator is logged on the same batch so that their disagreement is visible
-step by step, where the batch's samples are y ~ its policy (not for kl_target=model off plain sampling).
+docs/sampling.md); with estimator=in_reward kl_norm=fused the KL value enters the reward before the advantage
+instead, and there is no separate KL term. Every value estimator is logged on the same batch so that their
+disagreement is visible step by step, where the batch's samples are y ~ its policy (not for kl_target=model off
+plain sampling).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 
 from klbench.estimators import gradient_estimator, value_estimator
-from klbench.estimators.baselines import rloo_advantage
+from klbench.estimators.advantages import advantage, reward_loss
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.tasks.kl_control import build_kl_control
@@ -37,6 +40,8 @@ class RLTask(pl.LightningModule):
         # beta lives in the controller (klbench/tasks/kl_control.py): estimator.beta when kl_ctl=fixed
         self.kl_ctl = build_kl_control(kl_ctl_cfg, float(estimator_cfg["beta"]))
         self.cfg = dict(task_cfg)
+        # the KL fused into the reward before the advantage (in_reward kl_norm=fused): no separate KL term
+        self.fused = getattr(self.estimator, "options", {}).get("kl_norm") == "fused"
         self.values = {label: value_estimator(name, **o) for label, (name, o) in LOGGED_VALUES.items()}
         self.strict_loading = False  # the frozen reference is not checkpointed
         self.val_rows: list[dict] = []
@@ -53,6 +58,11 @@ class RLTask(pl.LightningModule):
         r = self.reward_fn(ro)
         return r.to(self.device, torch.float32)
 
+    def judged(self, ro: Rollout) -> dict[str, torch.Tensor]:
+        """[B] per-response indicators of a verifiable reward (reward=answer: accuracy, no_answer); else none."""
+        judge = getattr(self.reward_fn, "judge", None)
+        return {} if judge is None else {k: v.to(self.device) for k, v in judge(ro).items()}
+
     def training_step(self, prompts: list[str], batch_idx: int) -> torch.Tensor:
         if self.cfg.get("inner_steps", 1) > 1:  # several optimiser steps per rollout: klbench/tasks/offpolicy.py
             return off_policy_step(self, prompts)
@@ -60,14 +70,27 @@ class RLTask(pl.LightningModule):
         batch = self.policy.score(ro)
         reward = self.rewards(ro)  # [B]
         slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
-        logp_sum = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device)).sum(-1)
-        adv = rloo_advantage(reward, ro.group).to(logp_sum.dtype)
-        loss_reward = -(adv * logp_sum).mean()
+        slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
+        adv = self.reward_advantage(batch, reward, ro.group)  # [B]
+        loss_reward = reward_loss(adv, slogp, batch.mask, *self.loss_agg)
         loss, n_clamped = self.total_loss(batch, loss_reward, f"step {self.global_step}")
         if self.logging_step(self.global_step):
             self._log_train(batch, reward, ro, loss, n_clamped, slogp)
         self._control_beta(batch)
         return loss
+
+    @property
+    def loss_agg(self) -> tuple[str, int]:
+        """task.loss_agg and its L_max (task.max_new_tokens), as klbench.estimators.advantages.aggregate takes them."""
+        return self.cfg.get("loss_agg", "seq_sum"), int(self.cfg["max_new_tokens"])
+
+    def reward_advantage(self, batch, reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        """[B] task.advantage of the rewards [B]; with the KL fused (in_reward kl_norm=fused), of
+        reward_coef r - beta v, v the estimator's detached per-sequence value."""
+        if self.fused:
+            reward = self.cfg["reward_coef"] * reward - self.beta * self.estimator.sequence_value(batch).to(reward.dtype)
+        return advantage(reward, group, self.cfg.get("advantage", "rloo"),
+                         float(self.cfg.get("adv_eps", 1e-6))).to(batch.logp.dtype)
 
     def on_fit_start(self) -> None:
         # with no logger and no step bar (logger=none, output not a terminal) nothing reads train/ metrics, and
@@ -103,15 +126,19 @@ class RLTask(pl.LightningModule):
 
     def total_loss(self, batch, loss_reward: torch.Tensor, where: str) -> tuple[torch.Tensor, int | None]:
         """reward_coef * the reward part + beta * the mean KL surrogate, and the estimator's clamp count (None
-        without a clamp). A non-finite loss stops the run here, naming both parts, before it reaches the weights."""
-        est = self.estimator.estimate(batch)
-        loss_kl = est.values.mean()
-        loss = self.cfg["reward_coef"] * loss_reward + self.beta * loss_kl
+        without a clamp). A non-finite loss stops the run here, naming both parts, before it reaches the weights.
+        With the KL fused into the reward, loss_reward already holds reward_coef and beta: it is the loss."""
+        if self.fused:
+            est, loss_kl, loss = None, torch.zeros(()), loss_reward
+        else:
+            est = self.estimator.estimate(batch)
+            loss_kl = est.values.mean()
+            loss = self.cfg["reward_coef"] * loss_reward + self.beta * loss_kl
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite loss at {where}: reward part {loss_reward.item()}, "
                 f"KL surrogate {loss_kl.item()} (estimator {self.estimator!r}, beta {self.beta})")
-        return loss, est.n_clamped
+        return loss, None if est is None else est.n_clamped
 
     @torch.no_grad()
     def _log_train(self, batch, reward, ro, loss, n_clamped, slogp=None) -> None:
@@ -127,6 +154,8 @@ class RLTask(pl.LightningModule):
             if gap.numel():
                 m["train/logp_gap_max"], m["train/logp_gap_mean"] = gap.max(), gap.mean()
         m["train/reward"] = reward.mean()
+        for key, v in self.judged(ro).items():  # no_answer: how many of the step's responses had none
+            m[f"train/{key}"] = v.sum() if key == "no_answer" else v.mean()
         m["train/loss"] = loss.detach()
         m["train/response_len"] = batch.mask.sum(-1).float().mean()
         if batch.logits is not None:
@@ -178,22 +207,24 @@ class RLTask(pl.LightningModule):
         batch = target.score(ro_kl)  # the view scores its own draws: y ~ pi, an on-policy batch of the target
         reward = self.rewards(ro)
         seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
-        for text, prompt, r, k, n, nk in zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
-                                             ro.mask.sum(-1).tolist(), batch.mask.sum(-1).tolist()):
+        judged = {k: v.tolist() for k, v in self.judged(ro).items()}
+        for i, (text, prompt, r, k, n, nk) in enumerate(zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
+                                                            ro.mask.sum(-1).tolist(), batch.mask.sum(-1).tolist())):
             self.val_rows.append({"prompt": prompt, "response": text, "reward": r, "seq_kl": k, "tokens": n,
-                                  "kl_tokens": nk})
+                                  "kl_tokens": nk, **{key: v[i] for key, v in judged.items()}})
 
     def on_validation_epoch_end(self) -> None:
         rows = self.val_rows
+        judged = [k for k in ("accuracy", "no_answer") if rows and k in rows[0]]  # a verifiable reward's
         # sums over all processes, so the metric is the same whatever the number of devices
         totals = torch.tensor([sum(r["reward"] for r in rows), sum(r["seq_kl"] for r in rows),
-                               sum(r["tokens"] for r in rows), sum(r["kl_tokens"] for r in rows), len(rows)],
-                              dtype=torch.float64, device=self.device)
+                               sum(r["tokens"] for r in rows), sum(r["kl_tokens"] for r in rows), len(rows),
+                               *(sum(r[k] for r in rows) for k in judged)], dtype=torch.float64, device=self.device)
         if self.trainer.world_size > 1:
-            totals = self.all_gather(totals).reshape(-1, 5).sum(0)
-        reward, kl, n_tok, n_kl_tok, n = totals.tolist()
+            totals = self.all_gather(totals).reshape(-1, 5 + len(judged)).sum(0)
+        reward, kl, n_tok, n_kl_tok, n, *judged_sums = totals.tolist()
         m = {"val/reward": reward / n, "val/seq_kl": kl / n, "val/token_kl": kl / max(n_kl_tok, 1),
-             "val/response_len": n_tok / n}
+             "val/response_len": n_tok / n, **{f"val/{k}": v / n for k, v in zip(judged, judged_sums)}}
         m.update(self._exact_metrics(m))
         # logged at the number of optimiser steps taken (Lightning would use that number minus one)
         self.log_dict(m, logger=False, sync_dist=True)  # already identical on every process

@@ -156,7 +156,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         check_followed_sampling(cfg, s.temperature, s.top_k, s.top_p)
     target = sampling_text(policy)
     print(f"klbench: {target}")
-    reward = build_reward(cfg.reward, policy)
+    reward = build_reward(cfg.reward, policy, cfg.dataset)
     module = build_task(cfg, policy, reward)
     data = build_data(cfg, policy.fixed_prompt, policy)
     built_s = time.time() - t0  # the models (the embedded LM's first build included) and the data

@@ -86,6 +86,14 @@ def heldout_loss(model, rows: list[torch.Tensor], pad_id: int, batch_size: int =
     return total / count
 
 
+def corpus_texts(spec: dict, n: int, seed: int) -> list[str]:
+    """n pretraining texts of the spec's corpus: reviews, or arithmetic problems with worked answers."""
+    if spec.get("corpus", "reviews") == "arith":
+        from klbench.models.embedded.arith import generate_arith
+        return generate_arith(n, seed, spec["noise_fraction"], spec["digits"])
+    return generate_reviews(n, seed=seed, positive_fraction=spec["positive_fraction"])
+
+
 def pretrain(spec, out_dir: str, progress: bool = True, tokenizer=None, num_threads: int | None = 1) -> dict:
     """Pretrain an embedded GPT-2 described by `spec` (see klbench.models.embedded.spec) and save it to out_dir.
 
@@ -117,11 +125,11 @@ def _pretrain(spec: dict, out_dir: str, progress: bool, tokenizer) -> dict:
     if spec["max_len"] > spec["n_positions"]:
         raise ValueError(f"pretrain: max_len ({spec['max_len']}) exceeds n_positions ({spec['n_positions']})")
 
-    texts = generate_reviews(spec["corpus_size"], seed=spec["corpus_seed"], positive_fraction=spec["positive_fraction"])
+    texts = corpus_texts(spec, spec["corpus_size"], spec["corpus_seed"])
     rows = encode_reviews(texts, tokenizer, spec["max_len"])
-    # held-out reviews from a seed no training corpus of this spec uses
-    held = encode_reviews(generate_reviews(HELDOUT_REVIEWS, seed=10_000_019 + spec["corpus_seed"],
-                                           positive_fraction=spec["positive_fraction"]), tokenizer, spec["max_len"])
+    # held-out texts from a seed no training corpus of this spec uses
+    held = encode_reviews(corpus_texts(spec, HELDOUT_REVIEWS, 10_000_019 + spec["corpus_seed"]), tokenizer,
+                          spec["max_len"])
     pad_id = tokenizer.pad_token_id
     loader = DataLoader(rows, batch_size=spec["batch_size"], shuffle=True, drop_last=True,
                         collate_fn=lambda b: collate(b, pad_id),

@@ -43,7 +43,31 @@ DEFAULT_TEACHER_SPEC = {**DEFAULT_REFERENCE_SPEC, "name": "teacher", "n_embd": 1
 # so that KL(student || teacher) starts large. Same vocab_size -> the same tokenizer.
 DEFAULT_STUDENT_SPEC = {**DEFAULT_REFERENCE_SPEC, "name": "student", "n_embd": 64, "n_layer": 2, "n_head": 2,
                         "steps": 400, "corpus_seed": 7, "positive_fraction": 0.1, "seed": 2}
-PRESETS = {"reference": DEFAULT_REFERENCE_SPEC, "teacher": DEFAULT_TEACHER_SPEC, "student": DEFAULT_STUDENT_SPEC}
+# experiment=arith: pretrained on generated addition/subtraction problems with worked answers, a share
+# noise_fraction of them with one slip (klbench.models.embedded.arith). vocab_size 258 is the byte-level
+# tokenizer with no merges (256 bytes + 2 special tokens): every digit is a token of its own.
+DEFAULT_ARITH_SPEC = {
+    "name": "arith",
+    "corpus": "arith",
+    "corpus_size": 60000,  # problems
+    "corpus_seed": 0,
+    "noise_fraction": 0.6,  # of the worked answers, with one slip: the reference's accuracy sits near 1 - this
+    "digits": 2,  # two-digit operands (3 needs a larger model and longer pretraining: docs/rlvr.md)
+    "vocab_size": 258,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_positions": 80,
+    "steps": 2000,
+    "batch_size": 64,
+    "lr": 3e-3,
+    "seed": 0,
+    "max_len": 64,  # bos + the longest problem and worked answer (about 36 bytes) + eos
+}
+PRESETS = {"reference": DEFAULT_REFERENCE_SPEC, "teacher": DEFAULT_TEACHER_SPEC, "student": DEFAULT_STUDENT_SPEC,
+           "arith": DEFAULT_ARITH_SPEC}
+# a spec's corpus (absent: the reviews) and the spec whose keys it takes
+CORPUS_SPECS = {"reviews": DEFAULT_REFERENCE_SPEC, "arith": DEFAULT_ARITH_SPEC}
 
 # The tokenizer depends only on vocab_size: it is trained once on a fixed balanced
 # corpus and shared by every embedded model with that vocab_size, so teacher,
@@ -63,13 +87,18 @@ def preset_spec(preset: str, overrides) -> dict:
 
 
 def complete_spec(spec: Mapping | None) -> dict:
-    """`spec` with missing keys taken from DEFAULT_REFERENCE_SPEC; unknown keys and wrong types raise."""
+    """`spec` with missing keys taken from its corpus's default (DEFAULT_REFERENCE_SPEC for the reviews, which
+    carry no `corpus` key, so their cache keys are those of older code); unknown keys and wrong types raise."""
     spec = dict(spec or {})
-    unknown = sorted(set(spec) - set(DEFAULT_REFERENCE_SPEC))
+    corpus = spec.get("corpus", "reviews")
+    if corpus not in CORPUS_SPECS:
+        raise ValueError(f"embedded LM spec: corpus must be one of {', '.join(CORPUS_SPECS)}, got {corpus!r}")
+    defaults = CORPUS_SPECS[corpus]
+    unknown = sorted(set(spec) - set(defaults))
     if unknown:
-        raise ValueError(f"embedded LM spec: unknown keys {unknown}; known keys: {sorted(DEFAULT_REFERENCE_SPEC)}")
-    spec = {**DEFAULT_REFERENCE_SPEC, **spec}
-    for key, default in DEFAULT_REFERENCE_SPEC.items():  # the hash must not depend on 600 vs "600" vs 600.0
+        raise ValueError(f"embedded LM spec: unknown keys {unknown}; known keys: {sorted(defaults)}")
+    spec = {**defaults, **spec}
+    for key, default in defaults.items():  # the hash must not depend on 600 vs "600" vs 600.0
         value = spec[key]
         ok = (isinstance(value, str) if isinstance(default, str) else
               isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int) else
