@@ -303,8 +303,9 @@ def declared_options() -> dict[str, tuple[str, dict]]:
 # names that other classes use for something else: a run's seed, a reward table's, a curve's; the prompt
 # texts of a Rollout
 # names that are also fields of classes that are not options: a trial's seed, a probe's prompts, an audit
-# result's setting (klbench.libraries.audit.Cell: which setting a row audited)
-HOMONYMS = {"seed", "prompts", "setting"}
+# result's setting (klbench.libraries.audit.Cell: which setting a row audited); and an option two estimators
+# declare with different defaults: form (in_reward: sequence, vopd: reward_to_go)
+HOMONYMS = {"seed", "prompts", "setting", "form"}
 
 
 def class_fields(root: Path) -> dict[str, set[str]]:
