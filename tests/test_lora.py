@@ -16,18 +16,14 @@ from test_config import compose_cfg
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory, tiny_lm_dir):
-    """A tiny random Llama (RoPE, RMSNorm, GQA) on the tiny GPT-2's tokenizer, saved with save_pretrained."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    tok = AutoTokenizer.from_pretrained(tiny_lm_dir, local_files_only=True)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+def tiny_llama_dir(tiny_arch):
+    """The session's tiny random Llama (RoPE, RMSNorm, GQA; tests/tiny_lms.py), saved with save_pretrained."""
+    return tiny_arch("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_teacher_dir(tiny_arch):
+    return tiny_arch("llama")[1]
 
 
 def _lora_cfg(tmp_path, path, *extra):
@@ -72,11 +68,11 @@ def test_checkpoint_holds_the_adapter_only_and_resumes_exactly(tmp_path, tiny_ll
     assert straight["val/seq_kl"] > 0
 
 
-def test_distill_with_a_lora_student(tmp_path, tiny_llama_dir, tiny_lm_dir):
-    # the teacher is a separate model (here the tiny GPT-2 on the same tokenizer); the student trains its adapter
+def test_distill_with_a_lora_student(tmp_path, tiny_llama_dir, tiny_llama_teacher_dir):
+    # the teacher is a separate model (another tiny Llama on the same tokenizer); the student trains its adapter
     cfg = compose_cfg(tmp_path, ["task=distill", "reward=none", "estimator=loo", "estimator.beta=1.0", "model=hf",
                                  f"model.name_or_path={tiny_llama_dir}", "model.lora.r=4", "model@teacher=hf",
-                                 f"teacher.name_or_path={tiny_lm_dir}", "task.max_steps=4", "task.val_every=2",
+                                 f"teacher.name_or_path={tiny_llama_teacher_dir}", "task.max_steps=4", "task.val_every=2",
                                  "task.prompts_per_step=2", "task.val_prompts=4", "task.max_new_tokens=8",
                                  "logger=none"])
     validate(cfg)
