@@ -28,6 +28,7 @@ register()  # the klbench_* resolvers conf/ uses (klbench/config/resolvers.py)
 @hydra.main(config_path=str(ROOT / "conf"), config_name="config",
             execution_whitelist=("klbench.*",))
 def main(cfg: DictConfig) -> tuple[float, float] | None:
+    decode_env_overrides(cfg)
     try:
         check(cfg)
     except ValueError as e:
@@ -73,6 +74,19 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"sweep={sweep} is a sweep: run it with -m (klbench -m sweep={sweep} ...); "
                          "without -m it would be a single run filed under the sweep's experiment")
     validate(cfg)
+
+
+ENV_VALUE = re.compile(r"\$\{oc\.env:[^${}]*\}")
+
+
+def decode_env_overrides(cfg: DictConfig) -> None:
+    """`key=${oc.env:VAR,default}` on the command line takes the variable's value as the command line takes
+    a value (`task.max_steps=30` is the integer 30): OmegaConf's oc.env gives the string '30', which the
+    schema would refuse, so such a value is read through oc.decode, as Hydra's documentation advises."""
+    for override in HydraConfig.get().overrides.task:
+        key, _, value = override.partition("=")
+        if ENV_VALUE.fullmatch(value.strip()):
+            OmegaConf.update(cfg, key.lstrip("+~"), f"${{oc.decode:{value.strip()}}}", merge=False)
 
 
 def unavailable_advice(e, ckpt: Path) -> str:

@@ -272,13 +272,15 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
         return _tabular_policy(cfg, teacher)
     from klbench.models import hf as models  # transformers: imported only for a language model
     path = _lm_path(cfg, cache_root)
+    settings = ("model.name_or_path", "model.ref_name_or_path")  # the values a loading error names
     if teacher is not None:
         ref_path, names = _lm_path(teacher, cache_root), ("student (model)", "teacher")
+        settings = (settings[0], "teacher.name_or_path")
     else:
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
-    model, tok = models.load_causal_lm(path, cfg.dtype)
-    ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype)
+    model, tok = models.load_causal_lm(path, cfg.dtype, settings[0])
+    ref, ref_tok = models.load_causal_lm(ref_path, (teacher or cfg).dtype, settings[1])
     models.check_same_vocab(tok, ref_tok, *names)
     for name, where, m in ((names[0], path, model), (names[1], ref_path, ref)):
         context = models.context_length(m.config)

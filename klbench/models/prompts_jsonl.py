@@ -7,12 +7,20 @@ import os
 
 
 def read_prompts(path: str, field: str) -> list[str]:
-    """The `field` string of every non-blank line; errors name `path:line`."""
+    """The `field` string of every non-blank line; errors name `path:line`. UTF-8, a byte-order mark at the
+    start accepted (editors on Windows write one)."""
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"dataset file {path!r} is a directory; give a .jsonl file (one JSON object a line)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file {path!r} does not exist")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{i} is not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
