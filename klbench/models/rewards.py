@@ -54,10 +54,11 @@ class HFClassifierReward(TextReward):
                  score: str = "logit", max_length: int = 512):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from klbench.models.hf import _from_pretrained
+        from klbench.models.hf import _from_pretrained, resolve_pretrained
 
         if score not in ("logit", "prob"):
             raise ValueError(f"HFClassifierReward: score must be 'logit' or 'prob', got {score!r}")
+        resolve_pretrained(name_or_path, "reward.name_or_path")  # a missing or empty folder, before any loading
         self.tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path,
                                           "reward.name_or_path (tokenizer)")
         self.model = _from_pretrained(AutoModelForSequenceClassification.from_pretrained, name_or_path,
