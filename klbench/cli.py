@@ -83,7 +83,7 @@ def decode_env_overrides(cfg: DictConfig) -> None:
     """`key=${oc.env:VAR,default}` on the command line takes the variable's value as the command line takes
     a value (`task.max_steps=30` is the integer 30): OmegaConf's oc.env gives the string '30', which the
     schema would refuse, so such a value is read through oc.decode, as Hydra's documentation advises."""
-    for override in HydraConfig.get().overrides.task:
+    for override in OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False):  # as typed
         key, _, value = override.partition("=")
         if ENV_VALUE.fullmatch(value.strip()):
             OmegaConf.update(cfg, key.lstrip("+~"), f"${{oc.decode:{value.strip()}}}", merge=False)

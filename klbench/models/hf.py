@@ -107,8 +107,11 @@ def _from_pretrained(loader, name_or_path: str, what: str, **kwargs):
             raise
         kind = {"AutoModelForCausalLM": "a causal LM", "AutoModelForSequenceClassification": "a sequence "
                 "classifier"}.get(auto, f"what {auto} loads")
-        raise MissingInput(f"{what}: {name_or_path} is not {kind} ({auto}: {_first_line(e)[:200]}); give a "
-                           f"folder holding {kind} and its tokenizer") from e
+        with open(os.path.join(name, "config.json"), encoding="utf-8") as f:  # read by _check_model_folder
+            model_type = json.load(f).get("model_type")
+        raise MissingInput(f"{what}: {name_or_path} is not {kind}: its config.json says model_type "
+                           f"{model_type!r}, which {auto} does not load; give a folder holding {kind} and "
+                           "its tokenizer") from e
 
 
 def _first_line(e: BaseException) -> str:
