@@ -32,6 +32,7 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
     try:
         check(cfg)
     except ValueError as e:
+        redact_exception(e)
         _discard_run_folder()
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # fails this trial only; the sweep records it and goes on

@@ -243,6 +243,16 @@ def test_dataset_hf_without_datasets_says_what_to_install(tmp_path, monkeypatch)
         load_prompts(cfg.dataset)
 
 
+def test_dataset_hf_without_datasets_in_a_real_run(tmp_path, tiny_lm_dir):
+    outputs = tmp_path / "outputs"
+    code = "import sys; sys.modules['datasets'] = None; from klbench.cli import main; main()"  # import fails
+    proc = subprocess.run([sys.executable, "-c", code, "model=hf", f"model.name_or_path={tiny_lm_dir}",
+                           "dataset=hf", "dataset.name=imdb", "task.max_new_tokens=8", "task.max_steps=2"],
+                          cwd=tmp_path, env=env_for(outputs), capture_output=True, text=True, timeout=180)
+    one_line(proc, "dataset=hf needs the `datasets` package", "pip install 'klbench[hf]'")
+    assert not (outputs / "runs").exists() or not any((outputs / "runs").rglob("*"))
+
+
 def test_jsonl_files_utf8_bom_and_directories(tmp_path):
     from klbench.models.prompts_jsonl import read_prompts
     bad = tmp_path / "bad.jsonl"
