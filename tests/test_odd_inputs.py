@@ -74,13 +74,18 @@ def test_store_uris_name_their_paths():
 
 
 def test_the_optuna_store_of_an_odd_outputs_folder_is_inside_it(tmp_path):
+    """store.optuna is built by the same function as the MLflow store's URI: inside the outputs folder for
+    '#', quotes and non-ASCII; '%20' (which named another file) is refused in one line."""
     from test_config import compose_cfg
     import optuna
-    cfg = compose_cfg(tmp_path / "odd #x é", ["store=local"])
-    (tmp_path / "odd #x é" / "outputs").mkdir(parents=True)  # a sweep's folder is made by then
+    odd = tmp_path / "odd #'\"é"
+    cfg = compose_cfg(odd, ["store=local"])
+    (odd / "outputs").mkdir(parents=True)  # a sweep's folder is made by then
     optuna.create_study(storage=cfg.store.optuna, study_name="s")
-    assert (tmp_path / "odd #x é" / "outputs" / "optuna.db").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd #x é"]
+    assert (odd / "outputs" / "optuna.db").is_file() and [p.name for p in tmp_path.iterdir()] == [odd.name]
+    cfg = compose_cfg(tmp_path / "pct%20x", ["store=local"])
+    with pytest.raises(SystemExit, match="klbench: error: KLBENCH_OUTPUTS: the path .*pct%20x.* holds '%'"):
+        cfg.store.optuna
 
 
 def test_a_config_error_never_removes_a_folder_it_did_not_create(tmp_path):
