@@ -7,7 +7,7 @@ klbench.config.compose both call (nothing is registered as a side effect of an i
 | klbench_sweeps | the sweep group's options | hydra.help.footer (`klbench --help`) |
 | klbench_outputs | $KLBENCH_OUTPUTS, else ./outputs (klbench.record.store) | paths.outputs |
 | klbench_tracking_uri | $MLFLOW_TRACKING_URI, else the outputs folder's SQLite store | store.mlflow |
-| klbench_sqlite | a path as a sqlite:/// URI, percent-encoded (klbench.record.store.sqlite_uri) | store.optuna |
+| klbench_sqlite | a path as a sqlite:/// URI; a path no store can take is refused (klbench.record.store.sqlite_uri) | store.optuna |
 | klbench_claim | a run or sweep folder no other process shares (klbench.record.rundir) | hydra.run.dir, hydra.sweep.dir |
 | klbench_config_subdir | `.hydra`, or for a later start in the same folder `.hydra/attempt-<time>` (klbench.record.rundir) | hydra.output_subdir |
 | klbench_cache | the per-user cache of embedded models (klbench.models.embedded.cache) | paths.cache |

@@ -272,10 +272,12 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
         return _tabular_policy(cfg, teacher)
     from klbench.models import hf as models  # transformers: imported only for a language model
     path = _lm_path(cfg, cache_root)
-    settings = ("model.name_or_path", "model.ref_name_or_path")  # the values a loading error names
+    # the values a loading error names: what the user typed for an hf model, the option for an embedded one
+    settings = (("model.name_or_path", "model.ref_name_or_path") if cfg.kind == "hf"
+                else (f"model={cfg.kind}", f"model={cfg.kind}"))
     if teacher is not None:
         ref_path, names = _lm_path(teacher, cache_root), ("student (model)", "teacher")
-        settings = (settings[0], "teacher.name_or_path")
+        settings = (settings[0], "teacher.name_or_path" if teacher.kind == "hf" else f"teacher={teacher.kind}")
     else:
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
