@@ -65,7 +65,7 @@ def sqlite_uri(path: str | os.PathLike, setting: str = OUTPUTS_ENV) -> str:
     path = os.path.abspath(path)
     if bad := sorted({c for c in path if c in UNSAFE}):
         raise StoreError(f"{setting}: the path {path} holds {' and '.join(map(repr, bad))}, which MLflow cannot "
-                         f"take in a SQLite store's path; choose a folder whose path has neither")
+                         "take in a SQLite store's path: choose a folder whose path holds no '?' and no '%'")
     return SQLITE + path
 
 
