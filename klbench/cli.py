@@ -7,11 +7,13 @@ A run stopped by SIGTERM or Ctrl-C exits 143 or 130 after one line with its fold
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from klbench.record import interrupts
 
@@ -25,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from klbench.config.resolvers import ROOT, register
 from klbench.record import store
+from klbench.record.redact import redact, redact_exception
 
 register()  # the klbench_* resolvers conf/ uses (klbench/config/resolvers.py)
 
@@ -45,13 +48,15 @@ def main(cfg: DictConfig) -> tuple[float, float] | None:
 
 
 def _main(cfg: DictConfig) -> tuple[float, float] | None:
+    decode_env_overrides(cfg)
     try:
         check(cfg)
     except ValueError as e:
-        _discard_run_folder(Path(str(OmegaConf.select(cfg, "paths.outputs", default="") or "/")))
+        redact_exception(e)
+        _discard_run_folder()
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # fails this trial only; the sweep records it and goes on
-        sys.exit(f"klbench: error: {e}")
+        fail(str(e))
     from klbench.tasks.train import run  # first: it imports Lightning without what klbench never uses (lean.py)
     from klbench.record.resume import ResumeError
     from klbench.config.schema import ConfigError
@@ -60,19 +65,26 @@ def _main(cfg: DictConfig) -> tuple[float, float] | None:
     try:
         metrics = run(cfg)
     except Exception as e:  # what the user can act on is said in one line, with what to do
+        redact_exception(e)  # whatever prints it next (Hydra, a sweep's log) shows no password
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise
         if isinstance(e, RecordUnavailable):
-            sys.exit(f"klbench: error: {unavailable_advice(e, Path(cfg.paths.ckpt_dir) / 'last.ckpt')}")
+            fail(unavailable_advice(e, Path(cfg.paths.ckpt_dir) / 'last.ckpt'))
         if isinstance(e, (ResumeError, store.StoreError, ConfigError)):  # ConfigError: found once models load
-            sys.exit(f"klbench: error: {e}")
+            _discard_run_folder()  # stopped before its record began: only Hydra's files are there
+            fail(str(e))
         if why := store_failure(e, str(OmegaConf.select(cfg, "logger.tracking_uri", default="") or "")):
-            sys.exit(f"klbench: error: {why}; no run was recorded: start it again once the store is back")
+            fail(f"{why}; no run was recorded: start it again once the store is back")
         raise
     if cfg.task.name not in TRAINING:  # a sweep's objective is a training run's (reward, KL)
         return None
     reward, kl = cfg.get("optimized_metrics") or ("val/reward", "val/seq_kl")  # experiment=arith: val/accuracy
     return metrics[reward], metrics[kl]
+
+
+def fail(message: str) -> NoReturn:
+    """Ends klbench with `klbench: error: <message>`, one line, exit code 1, no password in it."""
+    sys.exit(f"klbench: error: {redact(message)}")
 
 
 def check(cfg: DictConfig) -> None:
@@ -84,6 +96,19 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"sweep={sweep} is a sweep: run it with -m (klbench -m sweep={sweep} ...); "
                          "without -m it would be a single run filed under the sweep's experiment")
     validate(cfg)
+
+
+ENV_VALUE = re.compile(r"\$\{oc\.env:[^${}]*\}")
+
+
+def decode_env_overrides(cfg: DictConfig) -> None:
+    """`key=${oc.env:VAR,default}` on the command line takes the variable's value as the command line takes
+    a value (`task.max_steps=30` is the integer 30): OmegaConf's oc.env gives the string '30', which the
+    schema would refuse, so such a value is read through oc.decode, as Hydra's documentation advises."""
+    for override in OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False):  # as typed
+        key, _, value = override.partition("=")
+        if ENV_VALUE.fullmatch(value.strip()):
+            OmegaConf.update(cfg, key.lstrip("+~"), f"${{oc.decode:{value.strip()}}}", merge=False)
 
 
 def unavailable_advice(e, ckpt: Path) -> str:
@@ -133,19 +158,20 @@ def hydra_override(key: str, value: str) -> str:
     return f'{key}="{v}"'
 
 
-def _discard_run_folder(outputs: Path) -> None:
-    """A run stopped by its config leaves nothing behind: Hydra made its folder (and the empty folders
-    above it, up to the outputs folder) before calling us, and it holds only Hydra's own files."""
-    out = Path(HydraConfig.get().runtime.output_dir).resolve()
-    if not (out.is_dir() and all(p.name in (".hydra", "klbench.log") for p in out.iterdir())):
+def _discard_run_folder() -> None:
+    """A run stopped before it started leaves nothing behind: its folder, if it holds only Hydra's own
+    files, and the empty folders above it, but only those this process created (klbench.record.rundir
+    .claim; in a sweep, Hydra's folder of the trial): never the user's outputs folder or a symlink's target."""
+    from klbench.record import rundir
+    out = os.path.abspath(HydraConfig.get().runtime.output_dir)
+    ours = (rundir.created if HydraConfig.get().mode != RunMode.MULTIRUN else [out])
+    if out not in ours or not (os.path.isdir(out) and not os.path.islink(out)
+                               and all(p.name in (".hydra", "klbench.log") for p in Path(out).iterdir())):
         return
     shutil.rmtree(out, ignore_errors=True)
-    outputs = outputs.resolve()
-    for parent in out.parents:  # the empty date folders Hydra made, and outputs/ itself if now empty
-        if parent != outputs and outputs not in parent.parents:
-            break
+    for parent in reversed(ours[:ours.index(out)]):  # the date folders claim made, innermost first
         try:
-            parent.rmdir()
+            os.rmdir(parent)
         except OSError:  # not empty: other runs live here
             break
 

@@ -97,3 +97,28 @@ def tiny_arch(tmp_path_factory):
                            save_tiny_arch(arch, root / f"{arch}-teacher", seed=1, tokenizer=tok))
         return built[arch]
     return get
+
+
+@pytest.fixture
+def read_only():
+    """make(path): `path` becomes read-only for the test's processes, root's included: a read-only bind mount
+    as root (whom permissions do not stop; skipped where mounting is not allowed), else chmod a-w. Undone
+    at the end."""
+    import stat
+    import subprocess
+    undo = []
+
+    def make(path) -> None:
+        path = str(path)
+        if os.geteuid() != 0:
+            mode = os.stat(path).st_mode
+            os.chmod(path, mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+            undo.append(lambda: os.chmod(path, mode))
+            return
+        if subprocess.run(["mount", "--bind", path, path], capture_output=True).returncode != 0:
+            pytest.skip("running as root, and a read-only bind mount is not allowed here")
+        undo.append(lambda: subprocess.run(["umount", "--lazy", path], check=True))  # lazy: a client may hold it
+        subprocess.run(["mount", "-o", "remount,bind,ro", path], check=True, capture_output=True)
+    yield make
+    for step in reversed(undo):
+        step()

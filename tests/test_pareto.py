@@ -2,6 +2,7 @@
 round trip (collect child runs of a sweep, log to its parent, the klbench-pareto command) on a real
 SQLite store."""
 import csv
+import os
 import random
 
 import numpy as np
@@ -235,6 +236,21 @@ def test_pareto_reads_the_store_runs_write(store, tmp_path, monkeypatch, capsys)
     assert main(["--experiment", "sweep-a"]) == 0
     assert f"tracking URI: sqlite:///{outputs.resolve()}/mlflow.db" in capsys.readouterr().out
     assert list((outputs / "pareto").glob("*/pareto.png")) and not (tmp_path / "outputs").exists()
+
+
+def test_pareto_reads_a_read_only_store(store, tmp_path, monkeypatch, capsys, read_only):
+    """A store on a read-only filesystem (or folder) is read, with --out elsewhere: reading takes no lock
+    file and writes nothing (issue 34: it could not even open it)."""
+    import shutil
+    outputs = tmp_path / "archive"
+    outputs.mkdir()
+    shutil.copy(store["uri"][len("sqlite:///"):], outputs / "mlflow.db")
+    read_only(outputs)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("KLBENCH_OUTPUTS", str(outputs))
+    assert main(["--experiment", "sweep-a", "--out", str(tmp_path / "out"), "--bootstrap", "0"]) == 0, \
+        capsys.readouterr().err
+    assert (tmp_path / "out" / "pareto.csv").is_file() and sorted(os.listdir(outputs)) == ["mlflow.db"]
 
 
 # ---- one run per trial: a sweep that lost track of a trial may have trained it twice ----

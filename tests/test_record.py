@@ -100,7 +100,7 @@ def test_fresh_stores_are_copies_of_one_migrated_template(tmp_path):
     for i, uri in enumerate(uris):
         assert store.inspect(Path(uri[len("sqlite:///"):]))[0] == "current"
         client = mlflow.MlflowClient(uri)
-        assert client.get_experiment("0").artifact_location == f"{tmp_path}/out{i}/mlartifacts/0"
+        assert client.get_experiment("0").artifact_location == store.file_uri(tmp_path / f"out{i}/mlartifacts/0")
         assert [r.info.status for r in all_runs(client)] == ["FINISHED"]
     uri = f"sqlite:///{tmp_path}/out3/mlflow.db"
     proc = subprocess.run([sys.executable, "-c", OPEN_FROM_TEMPLATE, uri, str(tmp_path / "art"), str(cache)])

@@ -7,6 +7,7 @@ klbench.config.compose both call (nothing is registered as a side effect of an i
 | klbench_sweeps | the sweep group's options | hydra.help.footer (`klbench --help`) |
 | klbench_outputs | $KLBENCH_OUTPUTS, else ./outputs (klbench.record.store) | paths.outputs |
 | klbench_tracking_uri | $MLFLOW_TRACKING_URI, else the outputs folder's SQLite store | store.mlflow |
+| klbench_sqlite | a path as a sqlite:/// URI; a path no store can take is refused (klbench.record.store.sqlite_uri) | store.optuna |
 | klbench_claim | a run or sweep folder no other process shares (klbench.record.rundir) | hydra.run.dir, hydra.sweep.dir |
 | klbench_config_subdir | `.hydra`, or for a later start in the same folder `.hydra/attempt-<time>` (klbench.record.rundir) | hydra.output_subdir |
 | klbench_cache | the per-user cache of embedded models (klbench.models.embedded.cache) | paths.cache |
@@ -42,15 +43,43 @@ def register() -> None:
         "klbench_root": (lambda: str(ROOT), False),
         "klbench_sweeps": (sweep_names, False),
         "klbench_outputs": (lambda: str(store.outputs_dir()), False),
-        "klbench_tracking_uri": (store.tracking_uri, False),
+        "klbench_tracking_uri": (_one_line(store.tracking_uri), False),
+        "klbench_sqlite": (_one_line(store.sqlite_uri), False),
         # cached, like Hydra's `now`: one folder per process, and the cache travels into a sweep's trials
-        "klbench_claim": (rundir.claim, True),
+        "klbench_claim": (_one_line(_claim), True),
         "klbench_config_subdir": (rundir.config_subdir, True),
         "klbench_cache": (lambda: str(cache_dir()), False),
     }
     for name, (fn, cache) in resolvers.items():
         OmegaConf.register_resolver(name, fn, use_cache=cache, replace=True)
     _store_option_defaults()
+
+
+def _claim(base: str) -> str:
+    """A run or sweep folder of its own (klbench.record.rundir); an outputs folder that cannot hold it
+    (read-only, a file, a path no store can take) is named with the setting that chose it."""
+    from klbench.record import rundir, store
+    store.sqlite_uri(base)  # the stores go next to it: a path they cannot take is refused before any folder
+    try:
+        return rundir.claim(base)
+    except OSError as e:
+        raise store.StoreError(f"cannot create the run folder {base}: {e.strerror or e}. The outputs folder "
+                               f"(${store.OUTPUTS_ENV}, else ./outputs, or paths.outputs=) must be a folder "
+                               "you can write") from None
+
+
+def _one_line(resolve):
+    """A resolver whose failure the user can act on ends klbench with one line: raised, Hydra would print
+    its traceback and OmegaConf's full key. SystemExit passes both (they catch Exception)."""
+    from klbench.record.store import StoreError
+
+    def call(*args):
+        try:
+            return resolve(*args)
+        except StoreError as e:
+            raise SystemExit(f"klbench: error: {e}") from None
+    call.__name__ = getattr(resolve, "__name__", "resolver")
+    return call
 
 
 def _store_option_defaults() -> None:

@@ -11,13 +11,15 @@ them, and they load here.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from klbench.config.errors import ConfigError
+from klbench.config.errors import ConfigError, MissingInput
 from klbench.console import messages as console
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
 
@@ -68,39 +70,75 @@ def _looks_like_path(name: str) -> bool:
 def resolve_pretrained(name_or_path: str, what: str = "model") -> tuple[str, dict]:
     """(name to pass to from_pretrained, extra kwargs); raises at once for a missing path.
 
-    A local directory loads as is. Something that looks like a path but is not a
-    directory raises FileNotFoundError. A hub id under HF_HUB_OFFLINE=1 loads
-    from the cache only (local_files_only), so a miss fails in milliseconds
-    instead of hanging on the network.
+    A local directory loads as is, once it holds a readable config.json. A URL, something that looks
+    like a path but is not a directory, an empty folder or one without a model raise MissingInput
+    (`what`: the setting, e.g. model.name_or_path). A hub id under HF_HUB_OFFLINE=1 loads from the cache
+    only (local_files_only), so a miss fails in milliseconds instead of hanging on the network.
     """
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"{what}: expected a Hugging Face model id or a local directory, got {name_or_path!r}")
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", name_or_path):
+        raise MissingInput(f"{what}={name_or_path} is a URL, which transformers does not load: give a hub id "
+                           "(owner/name) or a local folder written by save_pretrained")
     expanded = os.path.expanduser(name_or_path)
     if os.path.isdir(expanded):
+        _check_model_folder(expanded, what)
         return expanded, {"local_files_only": True}
     if os.path.exists(expanded):
-        raise FileNotFoundError(f"{what}: {name_or_path!r} is a file, expected a directory written by save_pretrained")
+        raise MissingInput(f"{what}: {name_or_path!r} is a file, expected a directory written by save_pretrained")
     if _looks_like_path(name_or_path):
-        raise FileNotFoundError(f"{what}: local path {os.path.abspath(expanded)!r} does not exist")
+        raise MissingInput(f"{what}: local path {os.path.abspath(expanded)!r} does not exist; give a folder "
+                           "written by save_pretrained or a hub id (owner/name)")
     return name_or_path, ({"local_files_only": True} if hub_offline() else {})
+
+
+def _check_model_folder(path: str, what: str) -> None:
+    """A folder is a model when it holds a config.json that is JSON; said before transformers tries (it
+    blamed an empty folder on sentencepiece, a broken config.json with 60 lines of traceback)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        held = sorted(os.listdir(path))
+        has = f"holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''} but" if held else "is empty:"
+        raise MissingInput(f"{what}: the folder {path} {has} no config.json; give a folder written by "
+                           "save_pretrained (model and tokenizer)")
+    try:
+        with open(config, encoding="utf-8") as f:
+            json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise MissingInput(f"{what}: {config} is not valid JSON ({e}); the folder is not a saved model: "
+                           "save it again with save_pretrained") from None
 
 
 def _from_pretrained(loader, name_or_path: str, what: str, setting: str = "model", **kwargs):
     name, extra = resolve_pretrained(name_or_path, what)
     console.quiet_transformers()  # its "Loading weights" bar, at default verbosity
+    auto = getattr(getattr(loader, "__self__", None), "__name__", "transformers")  # AutoModelForCausalLM, ...
     try:
         return loader(name, **extra, **kwargs)
     except OSError as e:  # transformers raises OSError (or subclasses) for missing files / cache misses
         where = ("not in the local Hugging Face cache and HF_HUB_OFFLINE=1" if extra and not os.path.isdir(name)
                  else "could not be loaded")
-        raise FileNotFoundError(f"{what}: {name_or_path!r} {where}: {e}") from e
+        raise MissingInput(f"{what}: {name_or_path!r} {where}: {_first_line(e)}") from e
     except ValueError as e:
-        if "trust_remote_code" not in str(e):
+        if "trust_remote_code" in str(e):
+            # transformers' own text asks for a Python argument (or prompts on a terminal): name the setting instead
+            raise ConfigError(f"{setting}.trust_remote_code=false, but {name_or_path!r} ships its own Python code "
+                              f"(auto_map in its config): set {setting}.trust_remote_code=true to run that code, "
+                              "after reading it") from None
+        if not os.path.isdir(name):
             raise
-        # transformers' own text asks for a Python argument (or prompts on a terminal): name the setting instead
-        raise ConfigError(f"{setting}.trust_remote_code=false, but {name_or_path!r} ships its own Python code "
-                          f"(auto_map in its config): set {setting}.trust_remote_code=true to run that code, "
-                          "after reading it") from None
+        # a config of another kind of model (Unrecognized configuration class ...)
+        kind = {"AutoModelForCausalLM": "a causal LM", "AutoModelForSequenceClassification": "a sequence "
+                "classifier"}.get(auto, f"what {auto} loads")
+        with open(os.path.join(name, "config.json"), encoding="utf-8") as f:  # read by _check_model_folder
+            model_type = json.load(f).get("model_type")
+        raise MissingInput(f"{what}: {name_or_path} is not {kind}: its config.json says model_type "
+                           f"{model_type!r}, which {auto} does not load; give a folder holding {kind} and "
+                           "its tokenizer") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False,

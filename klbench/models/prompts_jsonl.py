@@ -37,12 +37,20 @@ def read_prompts(path: str, field: str, chat: bool = False) -> list[Prompt]:
 
 def read_rows(path: str, field: str, answer_field: str | None = None, chat: bool = False) -> list[tuple[Prompt, object]]:
     """(prompt, answer) of every non-blank line: the `field` prompt and, with answer_field, that field's value
-    (a string or a number; None without it). Errors name `path:line` and the field. chat: messages are allowed."""
+    (a string or a number; None without it). Errors name `path:line` and the field. chat: messages are allowed.
+    UTF-8, a byte-order mark at the start accepted (editors on Windows write one)."""
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"dataset file {path!r} is a directory; give a .jsonl file (one JSON object a line)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file {path!r} does not exist")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{i} is not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

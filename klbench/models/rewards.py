@@ -55,13 +55,15 @@ class HFClassifierReward(TextReward):
                  score: str = "logit", max_length: int = 512):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from klbench.models.hf import _from_pretrained
+        from klbench.models.hf import _from_pretrained, resolve_pretrained
 
         if score not in ("logit", "prob"):
             raise ValueError(f"HFClassifierReward: score must be 'logit' or 'prob', got {score!r}")
-        self.tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, "reward tokenizer")
+        resolve_pretrained(name_or_path, "reward.name_or_path")  # a missing or empty folder, before any loading
+        self.tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path,
+                                          "reward.name_or_path (tokenizer)")
         self.model = _from_pretrained(AutoModelForSequenceClassification.from_pretrained, name_or_path,
-                                      "reward classifier").to(device).eval()
+                                      "reward.name_or_path (classifier)").to(device).eval()
         self.forward_args = set(inspect.signature(self.model.forward).parameters)
         self.label_id = self._label_id(label, self.model.config.id2label, name_or_path)
         self.batch_size, self.device, self.score, self.max_length = batch_size, device, score, max_length

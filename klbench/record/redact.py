@@ -24,9 +24,10 @@ from typing import Any
 
 MASK = "***"
 # scheme://user:password@ ; Hydra's overrides escape the colons (http\://user\:password@), so a backslash
-# may precede them. The password stops at '@' (URLs percent-encode one inside a password), and at a quote,
-# whitespace or bracket, so that a URL inside YAML, a Python repr or a log line is cut at its end.
-_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*\\?://[^\s/:@'\"<>\[\]]*\\?:)[^\s@'\"<>\[\]]+@")
+# may precede them, and a URL taken for a path loses a slash (os.path.abspath: https:/user:password@), so
+# one to three slashes. The password stops at '@' (URLs percent-encode one inside a password), and at a
+# quote, whitespace or bracket, so that a URL inside YAML, a Python repr or a log line is cut at its end.
+_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*\\?:/{1,3}[^\s/:@'\"<>\[\]]*\\?:)[^\s@'\"<>\[\]]+@")
 # ?password=... (libpq and SQLAlchemy take the password as a query parameter too), and key=value strings
 _PARAM = re.compile(r"(?i)(?P<head>\b(?:password|passwd|pwd)=)[^\s&;'\"#\[\]]+")
 
@@ -49,6 +50,30 @@ def redact_obj(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(redact_obj(v) for v in obj)
     return obj
+
+
+def redact_exception(e: BaseException | None) -> None:
+    """Rewrites, in place, the text of `e` and of every exception chained to it (cause and context) that
+    carries a password, so that a traceback printed or written afterwards (Hydra's, Python's, a log
+    record's) shows it as ***. An exception's text is what its traceback shows of the values involved."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, OSError):  # its text is made of errno, strerror and the file names
+            for attr in ("strerror", "filename", "filename2"):
+                if isinstance(getattr(e, attr), str):
+                    setattr(e, attr, redact(getattr(e, attr)))
+        if any(isinstance(a, str) and has_secret(a) for a in e.args) or has_secret(str(e)):
+            e.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
+            if has_secret(str(e)):  # a text made of something other than args
+                e.args = (redact(str(e)),)
+        if notes := getattr(e, "__notes__", None):
+            e.__notes__ = [redact(n) for n in notes]
 
 
 def redact_file(path: Path) -> bool:

@@ -81,16 +81,23 @@ def load_payload(path: str) -> dict:
     try:
         # weights_only: a checkpoint is data, never code. klbench's load under it; anything else is not ours
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise ResumeError(f"{path} is not a klbench checkpoint: it holds Python objects that klbench never "
-                          "saves, so it is not loaded") from None
-    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError) as e:
-        # random bytes reach torch's legacy unpickler, which fails with whatever the bytes happen to say
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ResumeError(f"{path} is not a klbench checkpoint: it cannot be read as one ({first[:200]})") from None
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, IndexError,
+            KeyError, TypeError) as e:
+        # a zip of torch tensors is what klbench writes; anything else fails somewhere in torch's readers,
+        # random bytes in the legacy unpickler with whatever the bytes happen to say (UnpicklingError too)
+        zipped = zipfile.is_zipfile(path)
+        why = ("it holds Python objects that klbench never saves" if zipped and isinstance(e, pickle.UnpicklingError)
+               else "it is not a torch checkpoint (a zip archive)" if not zipped else
+               f"it cannot be read as one ({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})")
+        raise ResumeError(f"{path} is not a klbench checkpoint: {why}, so it is not loaded. {WHAT_TO_DO}") from None
     if not isinstance(ckpt, dict) or "klbench" not in ckpt or "config" not in ckpt["klbench"]:
-        raise ResumeError(f"{path} is not a klbench checkpoint: it has no klbench section (config and metrics)")
+        raise ResumeError(f"{path} is not a klbench checkpoint: it has no klbench section (config and metrics). "
+                          + WHAT_TO_DO)
     return ckpt["klbench"]
+
+
+WHAT_TO_DO = ("Give ckpt_path a last.ckpt that klbench wrote, or start the run again without ckpt_path (and without "
+              "hydra.run.dir, in a folder of its own)")
 
 
 def config_changes(saved: dict, cfg: DictConfig) -> list[str]:

@@ -22,10 +22,17 @@ import os
 import time
 
 MAX_TRIES = 10_000  # distinct names per base name; a folder holding more is not a race but a loop
+# the folders this process created by claiming, outermost first: a run stopped before it started removes
+# these and no other (never the user's own outputs folder, nor the target of a symlink to it)
+created: list[str] = []
 
 
 def claim(base: str) -> str:
     """`base`, or the first free `base-N`, created by this call and by no other process."""
+    parent, missing = os.path.abspath(os.path.dirname(base) or "."), []
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
     os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
     for n in range(1, MAX_TRIES + 1):
         path = base if n == 1 else f"{base}-{n}"
@@ -33,6 +40,7 @@ def claim(base: str) -> str:
             os.mkdir(path)
         except FileExistsError:
             continue
+        created.extend([*reversed(missing), os.path.abspath(path)])
         return path
     raise RuntimeError(f"{MAX_TRIES} run folders named {base}[-N] exist already; choose hydra.run.dir yourself")
 

@@ -25,6 +25,7 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 OUTPUTS_ENV = "KLBENCH_OUTPUTS"
 SQLITE = "sqlite:///"
@@ -42,14 +43,41 @@ def outputs_dir() -> Path:
 
 
 def tracking_uri(outputs: str | Path | None = None) -> str:
-    """$MLFLOW_TRACKING_URI, else the SQLite store in the outputs folder."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"{SQLITE}{Path(outputs or outputs_dir()).resolve() / 'mlflow.db'}"
+    """$MLFLOW_TRACKING_URI (a relative SQLite path made absolute: the `mlflow ui` command klbench prints
+    works from any folder), else the SQLite store in the outputs folder."""
+    if uri := os.environ.get("MLFLOW_TRACKING_URI"):
+        path = sqlite_path(uri)
+        return sqlite_uri(path, "MLFLOW_TRACKING_URI") if path is not None and not path.is_absolute() else uri
+    return sqlite_uri(Path(outputs or outputs_dir()) / "mlflow.db")
+
+
+# Paths in store URIs. SQLAlchemy (MLflow's and Optuna's SQLite stores) reads the path of sqlite:/// as
+# it is, but for '?' (a query starts) and '%' (it percent-decodes); MLflow creates the store's parent folder
+# from the URI undecoded (3.17.2, mlflow.store.db.utils._make_parent_dirs_if_sqlite), so an escaped '%3F'
+# or '%25' would leave a folder of that name beside the outputs folder: such paths are refused, in one
+# line. MLflow's file:// artifact locations are percent-encoded, which MLflow decodes: unescaped, '#' cut
+# the location short (artifacts landed outside the outputs folder) and a quote broke the SQL that MLflow
+# writes its Default experiment with.
+UNSAFE = "?%"
+
+
+def sqlite_uri(path: str | os.PathLike, setting: str = OUTPUTS_ENV) -> str:
+    """sqlite:////<absolute path>; StoreError naming `setting` for a path holding '?' or '%'."""
+    path = os.path.abspath(path)
+    if bad := sorted({c for c in path if c in UNSAFE}):
+        raise StoreError(f"{setting}: the path {path} holds {' and '.join(map(repr, bad))}, which MLflow cannot "
+                         "take in a SQLite store's path: choose a folder whose path holds no '?' and no '%'")
+    return SQLITE + path
+
+
+def file_uri(path: str | os.PathLike) -> str:
+    """file:///<absolute path>, percent-encoded (MLflow decodes it to the path)."""
+    return Path(os.path.abspath(path)).as_uri()
 
 
 def sqlite_path(uri: str) -> Path | None:
-    return Path(uri[len(SQLITE):]) if uri.startswith(SQLITE) else None
+    """The file a sqlite:/// URI names, as SQLAlchemy decodes it (the query after '?' is not the path)."""
+    return Path(unquote(uri[len(SQLITE):].split("?", 1)[0])) if uri.startswith(SQLITE) else None
 
 
 def open_store(uri: str, create: bool = True, template_dir: str | os.PathLike | None = None) -> None:
@@ -61,7 +89,21 @@ def open_store(uri: str, create: bool = True, template_dir: str | os.PathLike | 
     """
     path = sqlite_path(uri)
     logging.getLogger("mlflow.store.db.utils").addFilter(_raised_anyway)  # any database store, once
+    if path is None and _file_store(uri):
+        raise StoreError(f"MLFLOW_TRACKING_URI={uri} is a file store, which this MLflow ({_mlflow_version()}) "
+                         "no longer writes; use a database: MLFLOW_TRACKING_URI="
+                         f"{sqlite_uri(Path(_file_store(uri)).parent / 'mlflow.db')} (`mlflow migrate-filestore` "
+                         "copies an existing file store into one)")
     if path is None or uri in _checked:
+        return
+    if not create:  # reading (klbench-pareto): no lock, nothing written, so a read-only store can be read
+        state, detail = inspect(path)
+        if state == "absent":
+            raise StoreError(f"no MLflow store at {path} (set MLFLOW_TRACKING_URI or KLBENCH_OUTPUTS, "
+                             "or pass --tracking-uri)")
+        if state != "current":
+            raise StoreError(_advice(path, state, detail))
+        _checked.add(uri)
         return
     from filelock import FileLock, Timeout
     try:
@@ -69,9 +111,6 @@ def open_store(uri: str, create: bool = True, template_dir: str | os.PathLike | 
         lock = FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
         with lock:
             state, detail = inspect(path)
-            if state == "absent" and not create:
-                raise StoreError(f"no MLflow store at {path} (set MLFLOW_TRACKING_URI or KLBENCH_OUTPUTS, "
-                                 "or pass --tracking-uri)")
             if state in ("absent", "empty"):
                 _create(uri, path, template_dir)
             elif state != "current":
@@ -108,6 +147,18 @@ def open_optuna(url: str) -> None:
     _checked.add(url)
 
 
+def _file_store(uri: str) -> str | None:
+    """The folder of an MLflow file store (`file:` URI or a bare path), else None."""
+    if uri.startswith("file:"):
+        return unquote(uri[len("file:"):].removeprefix("//")) or "."
+    return uri if ":" not in uri and uri != "databricks" else None  # a bare path is MLflow's file store too
+
+
+def _mlflow_version() -> str:
+    from importlib.metadata import version
+    return version("mlflow")
+
+
 def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None,
                       template_dir: str | os.PathLike | None = None) -> str:
     """Opens the store (created once, under a lock; see open_store for `template_dir`) and returns the
@@ -125,7 +176,7 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None,
         location = None  # None: the tracking server's own artifact store
         if artifact_root is not None:
             os.makedirs(artifact_root, exist_ok=True)
-            location = f"file://{os.path.abspath(artifact_root)}/{name}"
+            location = file_uri(Path(artifact_root) / name)
         try:
             return client.create_experiment(name, artifact_location=location, tags=tags_to_set(name, {}))
         except MlflowException:  # another process created it since we looked
@@ -145,7 +196,7 @@ def inspect(path: Path) -> tuple[str, str]:
     if not path.is_file():
         raise StoreError(f"the MLflow store {path} is not a file")
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        con = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, timeout=10)
         try:
             tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             versions = [r[0] for r in con.execute("SELECT version_num FROM alembic_version")] \
@@ -168,7 +219,7 @@ def inspect(path: Path) -> tuple[str, str]:
 
 
 def _advice(path: Path, state: str, detail: str) -> str:
-    uri = f"{SQLITE}{path}"
+    uri = sqlite_uri(path)
     fix = {
         "corrupt": f"it is not a SQLite database ({detail}). Move it aside to start a new store: mv {path} {path}.corrupt",
         "half-migrated": f"a schema migration was left half-done ({detail}): the process creating or upgrading "
@@ -203,7 +254,7 @@ def _create(uri: str, path: Path, template_dir: str | os.PathLike | None = None)
                 os.replace(tmp, path)  # a copy cut short never looks like a store
             finally:
                 tmp.unlink(missing_ok=True)
-        SqlAlchemyStore(uri, str(path.parent / "mlartifacts")).engine.dispose()
+        SqlAlchemyStore(uri, file_uri(path.parent / "mlartifacts")).engine.dispose()
     except Exception as e:
         path.unlink(missing_ok=True)  # absent or empty before: nothing of anyone's is lost
         cause = "the disk is full" if disk_full(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -227,7 +278,7 @@ def _template(folder: Path) -> Path:
             tmp = template.with_name(f".{template.name}.{os.getpid()}.tmp")
             tmp.unlink(missing_ok=True)
             try:
-                SqlAlchemyStore(f"{SQLITE}{tmp}", str(tmp.parent / "unused-artifacts")).engine.dispose()
+                SqlAlchemyStore(sqlite_uri(tmp), file_uri(tmp.parent / "unused-artifacts")).engine.dispose()
                 con = sqlite3.connect(tmp)
                 try:
                     con.execute("DELETE FROM experiments")  # only the Default one: MLflow adds it on first open
@@ -270,7 +321,7 @@ def repair(path: Path) -> str:
     fresh = path.with_name(path.name + ".rebuilt")
     fresh.unlink(missing_ok=True)
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-    SqlAlchemyStore(f"{SQLITE}{fresh}", str(path.parent / "mlartifacts")).engine.dispose()
+    SqlAlchemyStore(sqlite_uri(fresh), file_uri(path.parent / "mlartifacts")).engine.dispose()
     con = sqlite3.connect(fresh)
     try:
         con.execute("ATTACH DATABASE ? AS old", (str(backup),))

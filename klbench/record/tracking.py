@@ -174,8 +174,29 @@ def _folder_run(cfg: DictConfig):
     if cfg.logger.get("kind") != "mlflow" or not (run_id := folder_run_id(cfg)):
         return None
     import mlflow
+    store.open_store(cfg.logger.tracking_uri, create=False)  # a client would create an absent SQLite store
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
     return client, client.get_run(run_id)
+
+
+def check_resume_store(cfg: DictConfig, payload: dict) -> None:
+    """The MLflow run a resume continues (the folder's mlflow_run_id.txt) is in the store this resume writes
+    to: checked before a store is opened or created, so that a resume pointed at another store (another
+    $MLFLOW_TRACKING_URI or $KLBENCH_OUTPUTS) is refused in one line and leaves no empty store behind."""
+    from klbench.record.resume import ResumeError, folder_run_id
+    if cfg.logger.get("kind") != "mlflow" or not (run_id := folder_run_id(cfg)):
+        return
+    import mlflow
+    uri = cfg.logger.tracking_uri
+    try:
+        store.open_store(uri, create=False)
+        mlflow.MlflowClient(uri).get_run(run_id)
+    except (store.StoreError, mlflow.exceptions.MlflowException):
+        was = (payload.get("config") or {}).get("logger", {}).get("tracking_uri")
+        started = f", and the run started with {was}" if was and was != redact(uri) else ""
+        raise ResumeError(f"this run folder's MLflow run {run_id} is not in {redact(uri)}, the store this resume "
+                          f"writes to{started}: resume with the store the run started with (MLFLOW_TRACKING_URI, "
+                          f"KLBENCH_OUTPUTS)") from None
 
 
 def run_finished(cfg: DictConfig) -> bool:
@@ -183,7 +204,7 @@ def run_finished(cfg: DictConfig) -> bool:
     from mlflow.exceptions import MlflowException
     try:
         found = _folder_run(cfg)
-    except MlflowException:  # the folder names a run this store lacks: build_logger says so
+    except (MlflowException, store.StoreError):  # the folder names a run this store lacks: build_logger says so
         return False
     return found is None or found[1].info.status == "FINISHED"
 
@@ -191,8 +212,12 @@ def run_finished(cfg: DictConfig) -> bool:
 def settle_folder_run(cfg: DictConfig, why: str) -> None:
     """A resume that is refused leaves no run RUNNING behind it: the folder's MLflow run, if its process
     is gone, is marked KILLED now (instead of by the next fresh start). Never masks the refusal."""
+    from mlflow.exceptions import MlflowException
     try:
         found = _folder_run(cfg)
+    except (store.StoreError, MlflowException):  # no store there, or not this run: nothing to settle in it
+        return
+    try:
         if found is None:
             return
         client, run = found

@@ -200,6 +200,7 @@ def _resume_from(cfg: DictConfig) -> tuple[str | None, dict | None]:
         payload = resume.load_payload(ckpt_path)
         resume.check_config(payload, cfg, ckpt_path)
         resume.check_run(payload, cfg, ckpt_path)
+        tracking.check_resume_store(cfg, payload)
     except resume.ResumeError as e:
         tracking.settle_folder_run(cfg, f"resume refused: {e}")
         raise
