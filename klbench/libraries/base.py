@@ -40,6 +40,13 @@ class Setting:
     # "rl": a KL penalty against pi_ref; "distill": on-policy distillation, pi = student, pi_ref = teacher, so
     # the candidates read kl_pi_ref = KL(student || teacher), kl_ref_pi = KL(teacher || student)
     task: str = "rl"
+    # the sampling axis (klbench.libraries.audit.SAMPLINGS): the same loss with the library's own scoring, called as
+    # scored(raw_batch, sampling) on klbench.exact.tabular.RawBatch (untempered logits and the sampled tokens; the
+    # library divides whichever logits it divides by sampling.temperature); None where the adapter cannot call it
+    scored: Callable | None = None
+    # which logits the library divides by the temperature (policy / reference / old), with its file:line; where
+    # `scored` is None, why it cannot be called
+    divides_by_t: str = ""
 
 
 @dataclass
@@ -71,6 +78,17 @@ def source_of(obj, package_root: str | None = None) -> str:
     path = inspect.getsourcefile(obj)
     line = inspect.getsourcelines(obj)[1]
     return f"{_relative(path)}:{line}"
+
+
+def line_of(obj, text: str) -> str:
+    """'pkg/file.py:line' of the first line of an installed function's (or class's) source that contains `text`:
+    where a library does a thing, read from the installed package. LibraryMissing if the text is not there."""
+    obj = inspect.unwrap(obj)
+    lines, start = inspect.getsourcelines(obj)
+    for i, line in enumerate(lines):
+        if text in line:
+            return f"{_relative(inspect.getsourcefile(obj))}:{start + i}"
+    raise LibraryMissing(f"{getattr(obj, '__qualname__', obj)}: {text!r} not found in its source")
 
 
 def _relative(path: str) -> str:
