@@ -96,7 +96,8 @@ def sampled_verdict(scored, sampling: Sampling) -> str:
             by_match.setdefault(r.match, []).append(target)
     if not by_match:
         return "none of the above"
-    return "; ".join(f"{m} of {' = '.join(ts)}" for m, ts in by_match.items())
+    # zero is zero against every target's pair: no target to name
+    return "; ".join(m if m == "zero" else f"{m} of {' = '.join(ts)}" for m, ts in by_match.items())
 
 
 def _transcription(setting: str, behaviour) -> tuple[str, str]:

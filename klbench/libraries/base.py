@@ -7,7 +7,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -91,6 +91,15 @@ def line_of(obj, text: str) -> str:
     raise LibraryMissing(f"{getattr(obj, '__qualname__', obj)}: {text!r} not found in its source")
 
 
+def line_in(dist: str, path: str, text: str) -> str:
+    """line_of for a file that cannot be imported here: 'dist/path:line' of its first line containing `text`."""
+    with open(package_file(dist, *path.split("/"))) as f:
+        for i, line in enumerate(f, 1):
+            if text in line:
+                return f"{dist}/{path}:{i}"
+    raise LibraryMissing(f"{dist}/{path}: {text!r} not found")
+
+
 def _relative(path: str) -> str:
     parts = path.split(os.sep)
     if "site-packages" in parts:  # keep the package-relative path: the same on every machine
@@ -156,3 +165,17 @@ def reward_to_go_surrogate(kl: torch.Tensor, batch: KLBatch) -> torch.Tensor:
     kl = torch.where(batch.mask, kl.to(batch.logp.dtype), zero).detach()
     to_go = kl.flip(-1).cumsum(-1).flip(-1)  # [B, T]
     return torch.where(batch.mask, torch.exp(batch.log_w) * to_go, zero).sum(-1)
+
+
+def rescored(loss: LossFn, score: Callable) -> Callable:
+    """Setting.scored for a loss that takes log-probs (not logits): `score(logits [B, T, V], tokens [B, T],
+    temperature) -> [B, T]` is the library's own scoring (its division by the temperature included), applied to
+    the policy's and (detached) the reference's raw logits of a klbench.exact.tabular.RawBatch; the batch handed
+    to `loss` holds those log-probs and no logits (a loss that needs them fails instead of reading raw ones)."""
+    def scored(batch, sampling) -> torch.Tensor:
+        t = sampling.temperature
+        logp = score(batch.logits, batch.tokens, t).to(batch.logp.dtype)  # [B, T]
+        with torch.no_grad():
+            ref = score(batch.ref_logits.detach(), batch.tokens, t).to(batch.logp.dtype)  # [B, T]
+        return loss(replace(batch, logp=logp, ref_logp=ref, logits=None, ref_logits=None, token_kl=None))
+    return scored
