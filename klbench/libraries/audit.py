@@ -86,18 +86,21 @@ def sampled_verdict(scored, sampling: Sampling) -> str:
     """Which exact gradient a library's own scoring follows with samples from `sampling`: 'candidate of target'
     for each KL target it matches (targets giving the same verdict joined by '='), or 'none of the above', or
     the library's error."""
+    rec = ClampRecorder()
     try:
-        reports = audit_targets(_finite(functools.partial(scored, sampling=sampling)), sampling, tol=TOL)
+        with rec.active():
+            reports = audit_targets(_finite(functools.partial(scored, sampling=sampling)), sampling, tol=TOL)
     except Exception as e:
         return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     by_match: dict[str, list[str]] = {}
     for target, r in reports.items():
         if r.match != "none of the above":
             by_match.setdefault(r.match, []).append(target)
+    clamp = f" (clamp fired: {', '.join(sorted(rec.fired))})" if rec.fired else ""
     if not by_match:
-        return "none of the above"
+        return "none of the above" + clamp
     # zero is zero against every target's pair: no target to name
-    return "; ".join(m if m == "zero" else f"{m} of {' = '.join(ts)}" for m, ts in by_match.items())
+    return "; ".join(m if m == "zero" else f"{m} of {' = '.join(ts)}" for m, ts in by_match.items()) + clamp
 
 
 def _transcription(setting: str, behaviour) -> tuple[str, str]:
@@ -240,4 +243,4 @@ def _md_match(c: Cell) -> str:
 
 
 def _md_match_str(m: str) -> str:
-    return f"**{m}**" if m == "none of the above" else m
+    return f"**{m}**" if m.startswith("none of the above") else m

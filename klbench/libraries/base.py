@@ -122,7 +122,8 @@ class ClampRecorder:
         def record(inp, out):
             caller = inspect.currentframe().f_back.f_back
             fname = caller.f_code.co_filename
-            if fname.startswith(here) or not isinstance(inp, torch.Tensor):
+            # an integer clamp (TRL's labels.clamp(min=0) on -100 padding labels) moves no gradient
+            if fname.startswith(here) or not isinstance(inp, torch.Tensor) or not inp.is_floating_point():
                 return
             with torch.no_grad():
                 changed = bool((out.detach() != inp.detach()).any())
