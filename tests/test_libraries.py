@@ -398,4 +398,6 @@ def test_sampling_section_in_the_markdown():
     cells = [_cell("trl.grpo", "on"), _cell("trl.grpo", "off")]
     page = markdown(cells, 1.0)
     assert "| library | setting | T = 0.7 | T = 0.7, top-p 0.9 | divides by T: policy / reference / old |" in page
-    assert "| trl 1.16.0 | `trl.grpo` | partial_kl_pi_ref of sampler = tempered | **none of the above** |" in page
+    assert ("| trl 1.16.0 | `trl.grpo` | partial_kl_pi_ref of sampler = tempered | **none of the above** | policy, "
+            "reference and old |") in page
+    assert "- trl 1.16.0: policy, reference and old: add_fused_lm_head(" in page

@@ -216,15 +216,19 @@ def markdown(cells: list[Cell], seconds: float) -> str:
 
 
 def _sampling_section(seen: dict) -> list[str]:
-    rows = []
+    rows, where = [], {}
     for (lib, setting), cs in seen.items():
         on = cs[0]
         if on.policy == "-" or not (on.sampled or on.divides_by_t):
             continue
         verdicts = [_md_match_str(on.sampled[k]) if k in on.sampled else "not called" for k in SAMPLINGS]
-        rows.append(f"| {lib} {on.version} | `{setting}` | {' | '.join(verdicts)} | {on.divides_by_t} |")
+        short, _, detail = on.divides_by_t.partition(": ")  # "policy, reference and old: <where, file:line>"
+        rows.append(f"| {lib} {on.version} | `{setting}` | {' | '.join(verdicts)} | {short} |")
+        where.setdefault(f"{lib} {on.version}", set()).add(on.divides_by_t)
     if not rows:
         return []
+    notes = ["", "Where each library divides by the temperature, read from the installed package:", ""]
+    notes += [f"- {lib}: {d}" for lib, ds in where.items() for d in sorted(ds)]
     labels = list(SAMPLINGS)
     return ["", "## At a temperature, and under top-p truncation", "",
             "The same settings with samples from a sampler at temperature 0.7, and at 0.7 with top-p 0.9 (pi_s,",
@@ -235,7 +239,7 @@ def _sampling_section(seen: dict) -> list[str]:
             "temperature alone `sampler` and `tempered` are one pair. \"not called\": the adapter cannot call the",
             "library's scoring; the last column says where the library divides by T.", "",
             f"| library | setting | {' | '.join(labels)} | divides by T: policy / reference / old |",
-            "|---|---|" + "---|" * len(labels) + "---|"] + rows
+            "|---|---|" + "---|" * len(labels) + "---|"] + rows + notes
 
 
 def _md_match(c: Cell) -> str:

@@ -61,8 +61,8 @@ def load() -> Library:
     src = source_of(top.incorporate_kl_penalty)
     sampled_at = line_of(top.incorporate_kl_penalty, 'loss_fn_inputs["logprobs"]')
     teacher_at = line_of(top.incorporate_kl_penalty, "compute_logprobs(sequence_input)")
-    divides = (f"policy: the sampler's log-probs (`{sampled_at}`); not the teacher (`{teacher_at}`, no "
-               "temperature); old: the sampler itself")
+    divides = (f"policy (the sampler's), not the teacher: the sampler's log-probs (`{sampled_at}`); the teacher's "
+               f"from compute_logprobs (`{teacher_at}`), which takes no temperature; old: the sampler itself")
 
     def advantages(batch: KLBatch, gamma: float, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] the advantages incorporate_kl_penalty writes, from zero; `sampled` [B, T] the sampler's
