@@ -314,6 +314,7 @@ SAMPLED = {
     "trl.grpo": ("partial_kl_pi_ref of sampler = tempered", "none of the above"),
     "trl.grpo.no_bias_correction": ("partial_kl_ref_pi of sampler = tempered", "none of the above"),
     "trl.grpo.default_beta": ("zero", "zero"),
+    "trl.rloo": ("kl_pi_ref of sampler = tempered", "none of the above"),
     "verl.kl_in_reward.kl": ("kl_pi_ref of sampler = tempered", "none of the above"),
     "verl.kl_penalty.k2": ("partial_kl_pi_ref of sampler = tempered", "none of the above"),
     "verl.kl_penalty.k1": ("zero", "none of the above"),  # E_{pi_s}[grad log pi_T] != 0 under top-p

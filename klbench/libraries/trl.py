@@ -19,12 +19,12 @@ advantage the same way, -beta * sum_t (old_logp_t - ref_logp_t), and passes it w
 `_compute_loss` (sequence ratio, PPO clip at TRL's epsilon). The leave-one-out baseline is left out: it does
 not change the expected gradient.
 
-GRPO at a temperature (Setting.scored, the audit's sampling axis): nothing is stubbed. TRL patches the policy and the
+GRPO and RLOO at a temperature (Setting.scored, the audit's sampling axis): nothing is stubbed. TRL patches the policy and the
 reference with `add_fused_lm_head(model, temperature=self.temperature)` in __init__ and scores both (and pi_old, when
 it is needed) with `_get_per_token_logps_and_entropies`; the adapter does the same to two stand-in models whose
 backbone returns klbench's raw logits as hidden states under an identity lm_head [V, V], and calls the real
-`_compute_loss(policy, inputs)` with the reference's log-probs from the same scorer, so TRL's own kernel divides
-by the temperature. Samples come from the truncating sampler where the setting says top-p (generate's warpers;
+`_compute_loss(policy, inputs)` with the reference's (and, for RLOO's advantage, pi_old's) log-probs from the same
+scorer, so TRL's own kernel divides by the temperature. Samples come from the truncating sampler where the setting says top-p (generate's warpers;
 TRL's vLLM importance-sampling correction, off by default, is not modelled).
 """
 from __future__ import annotations
@@ -187,6 +187,38 @@ def _scored_grpo(trainer, add_fused_lm_head):
     return scored
 
 
+def _scored_rloo(trainer, add_fused_lm_head):
+    """RLOO's loss with TRL's scoring at the sampling's temperature: pi_old and pi_ref scored by the same
+    _get_per_token_logps_and_entropies (rloo_trainer.py, _generate_and_score_completions; pi_old = pi on-policy),
+    the advantage formed from them as `loss` forms it, and the real _compute_loss on the stand-in policy."""
+    def scored(batch, sampling) -> torch.Tensor:
+        trainer.temperature = sampling.temperature  # as __init__: self.temperature = args.temperature
+        V, dtype = batch.logits.shape[-1], batch.logits.dtype
+        policy, old, ref = (_LogitsModel(V, dtype) for _ in range(3))
+        add_fused_lm_head(policy, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        add_fused_lm_head(old, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        add_fused_lm_head(ref, temperature=trainer.temperature)
+        out = []
+        for b in range(batch.logits.shape[0]):
+            inputs = _row_inputs(batch, b)
+            inputs["completion_ids"] = batch.tokens[b:b + 1]
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            T = ids.shape[1] - 1
+            with torch.no_grad():
+                old_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                    old.holding(batch.logits[b:b + 1].detach()), ids, mask, T)
+                ref_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                    ref.holding(batch.ref_logits[b:b + 1]), ids, mask, T)
+            m = inputs["completion_mask"].to(dtype)
+            old_logps, ref_logps = old_logps.to(dtype) * m, ref_logps.to(dtype) * m  # [1, T]
+            inputs.update({"advantages": -trainer.beta * (old_logps - ref_logps).sum(-1),
+                           "old_logps": old_logps.sum(-1)})
+            out.append(trainer._compute_loss(policy.holding(batch.logits[b:b + 1]), inputs))
+        return torch.stack(out)
+    return scored
+
+
 def load() -> Library:
     version = require(DIST, SUPPORTED)
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -223,6 +255,10 @@ def load() -> Library:
             f"beta={a.beta}, use_bias_correction_kl={a.use_bias_correction_kl}, "
             f"importance_sampling_level={a.importance_sampling_level}",
             scored=_scored_grpo(unstubbed, add_fused_lm_head), divides_by_t=divides)
+    rloo_divides = (f"policy, reference and old: add_fused_lm_head(..., temperature=self.temperature) on the model "
+                    f"({line_of(RLOOTrainer.__init__, 'add_fused_lm_head(')}) and ref_model "
+                    f"({line_of(RLOOTrainer.__init__, 'add_fused_lm_head(self.ref_model')}), all three scored by "
+                    f"`{source_of(RLOOTrainer._get_per_token_logps_and_entropies)}`")
     for name, over in RLOO_SETTINGS.items():
         trainer = _rloo_trainer(RLOOTrainer, RLOOConfig, over, acc)
         trainers.append(trainer)
@@ -238,9 +274,12 @@ def load() -> Library:
             return _per_row(trainer, batch, extra)
 
         a = trainer.args
+        unstubbed = _rloo_trainer(RLOOTrainer, RLOOConfig, over, acc)  # its scorer stays TRL's own
+        trainers.append(unstubbed)
         lib.settings[name] = Setting(
             name, loss, rloo_src, "_compute_loss per sequence (sequence ratio, PPO clip); KL in the reward",
-            f"beta={a.beta}, epsilon={a.epsilon}")
+            f"beta={a.beta}, epsilon={a.epsilon}", scored=_scored_rloo(unstubbed, add_fused_lm_head),
+            divides_by_t=rloo_divides)
     acc = _accelerator()
     for t in trainers:
         t.accelerator = acc
