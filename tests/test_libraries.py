@@ -348,22 +348,24 @@ def test_trl_scores_policy_and_reference_at_its_temperature():
     """TRL's own scorer on the stand-in model is log_softmax(logits / T) of the sampled tokens."""
     from klbench.exact.tabular import RAW, default_instances
     from klbench.estimators.sampling import Sampling, token_logprob
-    from klbench.libraries.trl import _LogitsModel
+    from klbench.libraries.trl import _accelerator, _grpo_trainer, _LogitsModel
 
-    lib = _library("trl")
+    _library("trl")  # skips where TRL is absent
+    from trl import GRPOConfig, GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
     model, theta = default_instances()[1]
     raw = model.batch(theta, torch.arange(model.N), sampling=Sampling(0.7), target=RAW)
     m = _LogitsModel(model.K, theta.dtype)
     add_fused_lm_head(m, temperature=0.7)
-    trainer = lib.settings["trl.grpo"].scored.__closure__  # the adapter's unstubbed trainer is inside
-    t = next(c.cell_contents for c in trainer if hasattr(c.cell_contents, "_compute_loss"))
+    t = _grpo_trainer(GRPOTrainer, GRPOConfig, {}, None)
+    t.accelerator = _accelerator()  # made after the config, as load() does
     b = 5
     ids = torch.cat([torch.zeros(1, 1, dtype=torch.long), raw.tokens[b:b + 1]], 1)
     mask = torch.cat([torch.ones(1, 1, dtype=torch.long), raw.mask[b:b + 1].long()], 1)
     logps, _, _ = t._get_per_token_logps_and_entropies(m.holding(raw.logits[b:b + 1]), ids, mask, model.T)
-    want = torch.where(raw.mask[b], token_logprob(raw.logits[b] / 0.7, raw.tokens[b]), torch.zeros((), dtype=theta.dtype))
+    zero = torch.zeros((), dtype=theta.dtype)
+    want = torch.where(raw.mask[b], token_logprob(raw.logits[b] / 0.7, raw.tokens[b]), zero)
     torch.testing.assert_close(logps[0].double(), want, rtol=0, atol=1e-5)
 
 

@@ -19,13 +19,13 @@ advantage the same way, -beta * sum_t (old_logp_t - ref_logp_t), and passes it w
 `_compute_loss` (sequence ratio, PPO clip at TRL's epsilon). The leave-one-out baseline is left out: it does
 not change the expected gradient.
 
-GRPO and RLOO at a temperature (Setting.scored, the audit's sampling axis): nothing is stubbed. TRL patches the policy and the
-reference with `add_fused_lm_head(model, temperature=self.temperature)` in __init__ and scores both (and pi_old, when
-it is needed) with `_get_per_token_logps_and_entropies`; the adapter does the same to two stand-in models whose
-backbone returns klbench's raw logits as hidden states under an identity lm_head [V, V], and calls the real
-`_compute_loss(policy, inputs)` with the reference's (and, for RLOO's advantage, pi_old's) log-probs from the same
-scorer, so TRL's own kernel divides by the temperature. Samples come from the truncating sampler where the setting says top-p (generate's warpers;
-TRL's vLLM importance-sampling correction, off by default, is not modelled).
+GRPO and RLOO at a temperature (Setting.scored, the audit's sampling axis): nothing is stubbed. TRL patches the
+policy and the reference with `add_fused_lm_head(model, temperature=self.temperature)` in __init__ and scores both
+(and pi_old, when it is needed) with `_get_per_token_logps_and_entropies`; the adapter does the same to two stand-in
+models whose backbone returns klbench's raw logits as hidden states under an identity lm_head [V, V], and calls the
+real `_compute_loss(policy, inputs)` with the reference's (and, for RLOO's advantage, pi_old's) log-probs from the
+same scorer, so TRL's own kernel divides by the temperature. Samples come from the truncating sampler where the
+setting says top-p (generate's warpers; TRL's vLLM importance-sampling correction, off by default, is not modelled).
 """
 from __future__ import annotations
 

@@ -46,8 +46,8 @@ from __future__ import annotations
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import (Library, Setting, line_in, line_of, old_or_current, require, rescored, reward_to_go_surrogate,
-                                   source_of,
+from klbench.libraries.base import (Library, Setting, line_in, line_of, old_or_current, require, rescored,
+                                   reward_to_go_surrogate, source_of,
                                    token_sum)
 
 DIST, SUPPORTED = "verl", "0.9.1"
