@@ -305,3 +305,102 @@ def test_library_setting_as_a_gradient_estimator(name, match):
     assert audit(est, tol=1e-5).match == match
     with pytest.raises(ValueError, match=r"estimator.setting=trl\.nope: trl 1\.16\.0 has no such setting; valid: trl\.grpo"):
         LibraryGradient(setting="trl.nope")
+
+
+# ---- the sampling axis (issue 29 item 3): each library scoring the raw logits its own way at T = 0.7, and at
+# T = 0.7 with top-p 0.9, samples from pi_s; verdicts against every KL target's candidates (audit.SAMPLINGS) ----
+SAMPLED = {
+    # TRL divides policy, reference and old by T (add_fused_lm_head): its T = 1 verdict, of the tempered pair
+    "trl.grpo": ("partial_kl_pi_ref of sampler = tempered", "none of the above"),
+    "trl.grpo.no_bias_correction": ("partial_kl_ref_pi of sampler = tempered", "none of the above"),
+    "trl.grpo.default_beta": ("zero", "zero"),
+    "trl.rloo": ("kl_pi_ref of sampler = tempered", "none of the above"),
+    "verl.kl_in_reward.kl": ("kl_pi_ref of sampler = tempered", "none of the above"),
+    "verl.kl_penalty.k2": ("partial_kl_pi_ref of sampler = tempered", "none of the above"),
+    "verl.kl_penalty.k1": ("zero", "none of the above"),  # E_{pi_s}[grad log pi_T] != 0 under top-p
+    "openrlhf.reward.k1": ("kl_pi_ref of sampler = tempered", "none of the above"),
+    # the value's clamp (models/utils.py) fires at T = 0.7 but the unbiased surrogate does not use the value
+    "openrlhf.k2.unbiased": ("partial_kl_pi_ref of sampler = tempered (clamp fired: openrlhf/models/utils.py:113)",
+                             "none of the above (clamp fired: openrlhf/models/utils.py:113)"),
+    # tinker charges the tempered sampler's log-probs against the untempered teacher and its service's ratio
+    # is the untempered policy's over the sampler's: none of klbench's candidates, at any target
+    "tinker_cookbook.distill.discount1": ("none of the above", "none of the above"),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SAMPLED))
+def test_sampled_cell(setting):
+    cell = _cell(setting, "on")
+    got = tuple(cell.sampled[label] for label in ("T = 0.7", "T = 0.7, top-p 0.9"))
+    assert got == SAMPLED[setting], f"{setting}: {got}"
+    assert ".py:" in cell.divides_by_t
+
+
+def test_openrlhf_k2_at_temperature_hits_its_value_clamp():
+    # k2 follows partial_kl_pi_ref at T = 1, but at T = 0.7 the log-ratios grow by 1/T and the value clamp to
+    # [-10, 10] (models/utils.py) fires: the tempered scoring changes the verdict
+    cell = _cell("openrlhf.k2", "on")
+    assert cell.match == "partial_kl_pi_ref"
+    assert cell.sampled["T = 0.7"].startswith("none of the above (clamp fired: openrlhf/models/utils.py:")
+
+
+def test_trl_scores_policy_and_reference_at_its_temperature():
+    """TRL's own scorer on the stand-in model is log_softmax(logits / T) of the sampled tokens."""
+    from klbench.exact.tabular import RAW, default_instances
+    from klbench.estimators.sampling import Sampling, token_logprob
+    from klbench.libraries.trl import _accelerator, _grpo_trainer, _LogitsModel
+
+    _library("trl")  # skips where TRL is absent
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    model, theta = default_instances()[1]
+    raw = model.batch(theta, torch.arange(model.N), sampling=Sampling(0.7), target=RAW)
+    m = _LogitsModel(model.K, theta.dtype)
+    add_fused_lm_head(m, temperature=0.7)
+    t = _grpo_trainer(GRPOTrainer, GRPOConfig, {}, None)
+    t.accelerator = _accelerator()  # made after the config, as load() does
+    b = 5
+    ids = torch.cat([torch.zeros(1, 1, dtype=torch.long), raw.tokens[b:b + 1]], 1)
+    mask = torch.cat([torch.ones(1, 1, dtype=torch.long), raw.mask[b:b + 1].long()], 1)
+    logps, _, _ = t._get_per_token_logps_and_entropies(m.holding(raw.logits[b:b + 1]), ids, mask, model.T)
+    zero = torch.zeros((), dtype=theta.dtype)
+    want = torch.where(raw.mask[b], token_logprob(raw.logits[b] / 0.7, raw.tokens[b]), zero)
+    torch.testing.assert_close(logps[0].double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.0])
+def test_tinker_charges_klbench_tempered_vs_raw(gamma):
+    """task.kl_target=tempered_vs_raw reproduces tinker-cookbook's pairing at T != 1: the installed
+    incorporate_kl_penalty, fed the tempered sampler's log-probs and the untempered teacher's, charges exactly
+    klbench's tempered_vs_raw per-token k1 (its reward-to-go at discount 1); klbench's gradients on that target
+    follow grad KL(pi_T || pi_ref). The tinker gradient differs only by its service's ratio (pi / pi_s, untempered
+    policy), which the audit finds matches no candidate (SAMPLED)."""
+    from klbench.estimators import gradient_estimator
+    from klbench.estimators.sampling import Sampling, target_batch
+    from klbench.exact.tabular import RAW, audit, default_instances
+
+    lib = _library("tinker_cookbook")
+    scored = lib.settings[f"tinker_cookbook.distill.discount{int(gamma)}"].scored
+    s = Sampling(0.7)
+    model, theta = default_instances()[2]
+    rows = torch.arange(model.N)
+    raw = model.batch(theta, rows, sampling=s, target=RAW)
+    tvr = model.batch(theta, rows, sampling=s, target="tempered_vs_raw")
+    zero = torch.zeros((), dtype=theta.dtype)
+    k1 = torch.where(tvr.mask, tvr.logp - tvr.ref_logp, zero)  # [B, T] klbench's tempered_vs_raw k1
+    cost = k1.flip(-1).cumsum(-1).flip(-1) if gamma else k1
+    w = torch.where(raw.mask, torch.exp(raw.logp - tvr.logp), zero)  # the service's ratio pi / pi_s
+    torch.testing.assert_close(scored(raw, s), (w * cost).sum(-1), rtol=0, atol=1e-5)
+    assert audit(gradient_estimator("cumulative"), sampling=s, target="tempered_vs_raw").match == "kl_pi_ref"
+
+
+def test_sampling_section_in_the_markdown():
+    from klbench.libraries.audit import markdown
+
+    cells = [_cell("trl.grpo", "on"), _cell("trl.grpo", "off")]
+    page = markdown(cells, 1.0)
+    assert "| library | setting | T = 0.7 | T = 0.7, top-p 0.9 | divides by T: policy / reference / old |" in page
+    assert ("| trl 1.16.0 | `trl.grpo` | partial_kl_pi_ref of sampler = tempered | **none of the above** | policy, "
+            "reference and old |") in page
+    assert "- trl 1.16.0: policy, reference and old: add_fused_lm_head(" in page

@@ -378,3 +378,30 @@ def test_the_frontier_cache_follows_the_sampling():
     plain = view.exact_frontier(reward)
     assert not torch.equal(tempered.kls, plain.kls)
     torch.testing.assert_close(plain.kls, model.pareto_frontier(reward.table).kls, rtol=0, atol=0)
+
+
+def test_audit_targets_names_the_pair_a_scoring_follows():
+    """audit_targets (the audit's sampling axis): a loss that scores the raw logits itself is audited against every
+    target's candidates. REINFORCE on k1 with both logits divided by T follows the sampler = tempered pair; with only
+    the policy's divided, tempered_vs_raw; undivided, nothing; `model` is not a candidate under truncation."""
+    from klbench.estimators.sampling import token_logprob
+    from klbench.exact.tabular import audit_targets
+
+    def k1_reinforce(t_policy, t_ref):
+        def loss(batch):
+            lp = token_logprob(batch.logits / t_policy, batch.tokens)  # [B, T]
+            rp = token_logprob(batch.ref_logits / t_ref, batch.tokens)
+            zero = torch.zeros((), dtype=lp.dtype)
+            k1 = torch.where(batch.mask, lp - rp, zero).sum(-1)
+            return torch.where(batch.mask, lp, zero).sum(-1) * k1.detach()
+        return loss
+
+    s = Sampling(0.7)
+    got = {name: {t: r.match for t, r in audit_targets(k1_reinforce(*ts), s).items()}
+           for name, ts in {"both": (0.7, 0.7), "policy": (0.7, 1.0), "neither": (1.0, 1.0)}.items()}
+    assert got["both"] == {"sampler": "kl_pi_ref", "model": "none of the above", "tempered": "kl_pi_ref",
+                           "tempered_vs_raw": "none of the above"}
+    assert [t for t, m in got["policy"].items() if m == "kl_pi_ref"] == ["tempered_vs_raw"]
+    assert set(got["neither"].values()) == {"none of the above"}
+    assert set(audit_targets(k1_reinforce(0.7, 0.7), Sampling(0.7, top_p=0.9))) == {"sampler", "tempered",
+                                                                                   "tempered_vs_raw"}

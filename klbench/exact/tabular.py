@@ -18,9 +18,19 @@ from typing import Callable, Sequence, Union
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.estimators.sampling import Sampling, target_batch, target_pair
+from klbench.estimators.sampling import KL_TARGETS, Sampling, target_batch, target_pair, token_logprob
 
 DTYPE = torch.float64
+# batch(..., sampling, target=RAW): samples from pi_s, the batch holds the untempered logits and log-probs, and the
+# loss does its own scoring (dividing by the temperature where a library does): audit_targets
+RAW = "raw"
+
+
+@dataclass
+class RawBatch(KLBatch):
+    """A KLBatch of untempered logits [B, T, K] with the sampled tokens [B, T], for losses that score them."""
+
+    tokens: torch.Tensor | None = None
 Surrogate = Callable[[KLBatch], torch.Tensor]
 
 
@@ -176,6 +186,11 @@ class TabularModel:
         pre = self.seq_prefix[rows]  # [B, T]
         logits = tables[owner.unsqueeze(-1), pre]  # [B, T, K]
         ref_logits = self.ref_logits[pre]  # [B, T, K]
+        if sampling is not None and target == RAW:  # the loss scores the raw logits itself, as a library does
+            _no_behaviour(behaviour)
+            tok = self.tokens[rows]  # [B, T]
+            return RawBatch(token_logprob(logits, tok), token_logprob(ref_logits, tok), self.mask[rows], logits,
+                            ref_logits, group=group, tokens=tok)
         if sampling is not None:
             _no_behaviour(behaviour)
             # the exact per-position KL in one block: [B, T, K] is small here (see TabularPolicy.score)
@@ -448,15 +463,35 @@ def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Ten
     """
     instances = default_instances() if instances is None else instances
     olds = behaviour_tables(instances, behaviour)
+    means = [model.gradient_moments(surrogate_fn, theta, n=n, behaviour=old, sampling=sampling,
+                                    target=target).mean.flatten() for (model, theta), old in zip(instances, olds)]
+    return _compare(means, instances, olds, behaviour is not None, sampling, target, tol)
+
+
+def audit_targets(surrogate_fn: Surrogate, sampling: Sampling, instances: list | None = None, n: int = 1,
+                  tol: float = 1e-6) -> dict[str, AuditReport]:
+    """For a loss that scores the raw logits itself (as a library does: dividing the policy's, the reference's or
+    the old policy's logits by the temperature, or not), with samples from pi_s: which exact gradient its
+    expectation follows, against the candidates of every KL target that can be defined under this sampling
+    (`model` is left out under truncation, where check_target refuses it). The batch (target RAW) holds the
+    untempered logits [B, T, K] and log-probs, on-policy (old_logp None: the library scores pi_old as pi)."""
+    instances = default_instances() if instances is None else instances
+    means = [model.gradient_moments(surrogate_fn, theta, n=n, sampling=sampling, target=RAW).mean.flatten()
+             for model, theta in instances]
+    targets = [t for t in KL_TARGETS if not (t == "model" and sampling.truncates)]
+    return {t: _compare(means, instances, [None] * len(instances), False, sampling, t, tol) for t in targets}
+
+
+def _compare(means: list, instances: list, olds: list, off_policy: bool, sampling: Sampling | None, target: str,
+             tol: float) -> AuditReport:
+    """The AuditReport of the expected gradients `means` (one [P*K] per instance) against the exact candidates."""
     exacts = [{k: v.flatten() for k, v in m.exact_gradients(th, behaviour=old, sampling=sampling,
                                                             target=target).items()}
               for (m, th), old in zip(instances, olds)]
     has_old = all(c in e for e in exacts for c in OLD_CANDIDATES)
     candidates = CANDIDATES if not has_old else CANDIDATES[:4] + OLD_CANDIDATES + ("zero",)
     per = {c: [] for c in candidates}
-    for (model, theta), old, exact in zip(instances, olds, exacts):
-        mean = model.gradient_moments(surrogate_fn, theta, n=n, behaviour=old, sampling=sampling,
-                                      target=target).mean.flatten()
+    for mean, exact in zip(means, exacts):
         ref_norm = exact["kl_pi_ref"].norm()
         for c in candidates:
             g = exact[c]
@@ -469,8 +504,7 @@ def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Ten
     rows = [AuditRow(c, sum(v[0] for v in vals) / len(vals), max(v[1] for v in vals),
                      sum(v[2] for v in vals) / len(vals)) for c, vals in per.items()]
     described = f"{sampling.describe()}, task.kl_target={target}" if sampling is not None else ""
-    return AuditReport(rows, _verdict(rows, per, tol), off_policy=behaviour is not None or has_old,
-                       sampling=described)
+    return AuditReport(rows, _verdict(rows, per, tol), off_policy=off_policy or has_old, sampling=described)
 
 
 def _verdict(rows: list[AuditRow], per: dict, tol: float) -> str:

@@ -2,16 +2,21 @@
 and renders the results as a text table or a markdown page."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from klbench.exact.tabular import audit
+from klbench.estimators.sampling import Sampling
+from klbench.exact.tabular import audit, audit_targets
 from klbench.libraries import ALL, PINNED, LibraryMissing, Setting, load
 from klbench.libraries.base import ClampRecorder
 
 BEHAVIOUR = 0.5  # pi_old = theta + 0.5 N(0, 1), as in docs/placement.md
 TOL = 1e-5  # OpenRLHF and AReaL compute in float32: 1e-6 would reject their exact matches on rounding
+# the sampling axis: each setting with Setting.scored is audited on-policy with samples from these samplers, its
+# library scoring the raw logits as it does, against every KL target's candidates (docs/sampling.md)
+SAMPLINGS = {"T = 0.7": Sampling(0.7), "T = 0.7, top-p 0.9": Sampling(0.7, top_p=0.9)}
 
 
 @dataclass
@@ -29,6 +34,8 @@ class Cell:
     transcription: str = ""  # klbench's worked example of the same setting (klbench.exact.examples), if any
     transcription_match: str = ""  # what that transcription audits as under the same policy
     task: str = "rl"  # Setting.task: "rl" (pi_ref a reference) or "distill" (pi = student, pi_ref = teacher)
+    sampled: dict[str, str] = field(default_factory=dict)  # SAMPLINGS label -> verdict (on-policy cells only)
+    divides_by_t: str = ""  # Setting.divides_by_t
 
 
 # klbench's own worked examples of these settings (klbench/exact/examples.py) and the samples per prompt they
@@ -69,7 +76,31 @@ def run_setting(library: str, version: str, s: Setting) -> list[Cell]:
             cell.match = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
         cell.clamps = sorted(rec.fired)
         cells.append(cell)
+    cells[0].divides_by_t = s.divides_by_t
+    if s.scored is not None:
+        cells[0].sampled = {label: sampled_verdict(s.scored, sampling) for label, sampling in SAMPLINGS.items()}
     return cells
+
+
+def sampled_verdict(scored, sampling: Sampling) -> str:
+    """Which exact gradient a library's own scoring follows with samples from `sampling`: 'candidate of target'
+    for each KL target it matches (targets giving the same verdict joined by '='), or 'none of the above', or
+    the library's error."""
+    rec = ClampRecorder()
+    try:
+        with rec.active():
+            reports = audit_targets(_finite(functools.partial(scored, sampling=sampling)), sampling, tol=TOL)
+    except Exception as e:
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    by_match: dict[str, list[str]] = {}
+    for target, r in reports.items():
+        if r.match != "none of the above":
+            by_match.setdefault(r.match, []).append(target)
+    clamp = f" (clamp fired: {', '.join(sorted(rec.fired))})" if rec.fired else ""
+    if not by_match:
+        return "none of the above" + clamp
+    # zero is zero against every target's pair: no target to name
+    return "; ".join(m if m == "zero" else f"{m} of {' = '.join(ts)}" for m, ts in by_match.items()) + clamp
 
 
 def _transcription(setting: str, behaviour) -> tuple[str, str]:
@@ -121,6 +152,8 @@ def text_table(cells: list[Cell]) -> str:
         lines.append(f"{lib:<18} {c.setting:<{w}} {c.policy:<6} {c.match:<34} {tail}")
         if c.transcription:
             lines.append(f"{'':<18} {'  klbench ' + c.transcription:<{w}} {c.policy:<6} {c.transcription_match}")
+        for label, verdict in c.sampled.items():
+            lines.append(f"{'':<18} {'  at ' + label:<{w}} {c.policy:<6} {verdict}")
     return "\n".join(lines)
 
 
@@ -170,6 +203,7 @@ def markdown(cells: list[Cell], seconds: float) -> str:
     body = head + table + rows["rl"]
     if rows["distill"]:
         body += distill_head + table + rows["distill"]
+    body += _sampling_section(seen)
     if missing:
         body += ["", "## Not audited here", "", "Libraries (or settings) that did not run, each with the reason:",
                  "not installed, another version, an import that fails (its last line and the pip line), or",
@@ -181,9 +215,36 @@ def markdown(cells: list[Cell], seconds: float) -> str:
     return "\n".join(body + detail) + "\n"
 
 
+def _sampling_section(seen: dict) -> list[str]:
+    rows, where = [], {}
+    for (lib, setting), cs in seen.items():
+        on = cs[0]
+        if on.policy == "-" or not (on.sampled or on.divides_by_t):
+            continue
+        verdicts = [_md_match_str(on.sampled[k]) if k in on.sampled else "not called" for k in SAMPLINGS]
+        short, _, detail = on.divides_by_t.partition(": ")  # "policy, reference and old: <where, file:line>"
+        rows.append(f"| {lib} {on.version} | `{setting}` | {' | '.join(verdicts)} | {short} |")
+        where.setdefault(f"{lib} {on.version}", set()).add(on.divides_by_t)
+    if not rows:
+        return []
+    notes = ["", "Where each library divides by the temperature, read from the installed package:", ""]
+    notes += [f"- {lib}: {d}" for lib, ds in where.items() for d in sorted(ds)]
+    labels = list(SAMPLINGS)
+    return ["", "## At a temperature, and under top-p truncation", "",
+            "The same settings with samples from a sampler at temperature 0.7, and at 0.7 with top-p 0.9 (pi_s,",
+            "`klbench.estimators.sampling.Sampling`), on-policy, each library scoring the untempered logits its own",
+            "way (`klbench.exact.tabular.audit_targets`). The verdict names the candidate and the KL target whose",
+            "pair it is (docs/sampling.md): `sampler` KL(pi_s || pi_ref,T), `model` KL(pi || pi_ref) (not defined",
+            "under truncation), `tempered` KL(pi_T || pi_ref,T), `tempered_vs_raw` KL(pi_T || pi_ref); at a",
+            "temperature alone `sampler` and `tempered` are one pair. \"not called\": the adapter cannot call the",
+            "library's scoring; the last column says where the library divides by T.", "",
+            f"| library | setting | {' | '.join(labels)} | divides by T: policy / reference / old |",
+            "|---|---|" + "---|" * len(labels) + "---|"] + rows + notes
+
+
 def _md_match(c: Cell) -> str:
     return _md_match_str(c.match)
 
 
 def _md_match_str(m: str) -> str:
-    return f"**{m}**" if m == "none of the above" else m
+    return f"**{m}**" if m.startswith("none of the above") else m

@@ -7,7 +7,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -40,6 +40,13 @@ class Setting:
     # "rl": a KL penalty against pi_ref; "distill": on-policy distillation, pi = student, pi_ref = teacher, so
     # the candidates read kl_pi_ref = KL(student || teacher), kl_ref_pi = KL(teacher || student)
     task: str = "rl"
+    # the sampling axis (klbench.libraries.audit.SAMPLINGS): the same loss with the library's own scoring, called as
+    # scored(raw_batch, sampling) on klbench.exact.tabular.RawBatch (untempered logits and the sampled tokens; the
+    # library divides whichever logits it divides by sampling.temperature); None where the adapter cannot call it
+    scored: Callable | None = None
+    # which logits the library divides by the temperature (policy / reference / old), with its file:line; where
+    # `scored` is None, why it cannot be called
+    divides_by_t: str = ""
 
 
 @dataclass
@@ -73,6 +80,26 @@ def source_of(obj, package_root: str | None = None) -> str:
     return f"{_relative(path)}:{line}"
 
 
+def line_of(obj, text: str) -> str:
+    """'pkg/file.py:line' of the first line of an installed function's (or class's) source that contains `text`:
+    where a library does a thing, read from the installed package. LibraryMissing if the text is not there."""
+    obj = inspect.unwrap(obj)
+    lines, start = inspect.getsourcelines(obj)
+    for i, line in enumerate(lines):
+        if text in line:
+            return f"{_relative(inspect.getsourcefile(obj))}:{start + i}"
+    raise LibraryMissing(f"{getattr(obj, '__qualname__', obj)}: {text!r} not found in its source")
+
+
+def line_in(dist: str, path: str, text: str) -> str:
+    """line_of for a file that cannot be imported here: 'dist/path:line' of its first line containing `text`."""
+    with open(package_file(dist, *path.split("/"))) as f:
+        for i, line in enumerate(f, 1):
+            if text in line:
+                return f"{dist}/{path}:{i}"
+    raise LibraryMissing(f"{dist}/{path}: {text!r} not found")
+
+
 def _relative(path: str) -> str:
     parts = path.split(os.sep)
     if "site-packages" in parts:  # keep the package-relative path: the same on every machine
@@ -95,7 +122,8 @@ class ClampRecorder:
         def record(inp, out):
             caller = inspect.currentframe().f_back.f_back
             fname = caller.f_code.co_filename
-            if fname.startswith(here) or not isinstance(inp, torch.Tensor):
+            # an integer clamp (TRL's labels.clamp(min=0) on -100 padding labels) moves no gradient
+            if fname.startswith(here) or not isinstance(inp, torch.Tensor) or not inp.is_floating_point():
                 return
             with torch.no_grad():
                 changed = bool((out.detach() != inp.detach()).any())
@@ -138,3 +166,17 @@ def reward_to_go_surrogate(kl: torch.Tensor, batch: KLBatch) -> torch.Tensor:
     kl = torch.where(batch.mask, kl.to(batch.logp.dtype), zero).detach()
     to_go = kl.flip(-1).cumsum(-1).flip(-1)  # [B, T]
     return torch.where(batch.mask, torch.exp(batch.log_w) * to_go, zero).sum(-1)
+
+
+def rescored(loss: LossFn, score: Callable) -> Callable:
+    """Setting.scored for a loss that takes log-probs (not logits): `score(logits [B, T, V], tokens [B, T],
+    temperature) -> [B, T]` is the library's own scoring (its division by the temperature included), applied to
+    the policy's and (detached) the reference's raw logits of a klbench.exact.tabular.RawBatch; the batch handed
+    to `loss` holds those log-probs and no logits (a loss that needs them fails instead of reading raw ones)."""
+    def scored(batch, sampling) -> torch.Tensor:
+        t = sampling.temperature
+        logp = score(batch.logits, batch.tokens, t).to(batch.logp.dtype)  # [B, T]
+        with torch.no_grad():
+            ref = score(batch.ref_logits.detach(), batch.tokens, t).to(batch.logp.dtype)  # [B, T]
+        return loss(replace(batch, logp=logp, ref_logp=ref, logits=None, ref_logits=None, token_kl=None))
+    return scored

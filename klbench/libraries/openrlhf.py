@@ -31,6 +31,13 @@ none of the above: the reward is pi_old's k1, not pi's, and the surrogate's per-
 prefixes (the same relative errors as verl.kl_in_reward.kl). k2 and k3 are none
 of the above even on-policy: the reward is detached, so the score-function gradient misses E[grad v] (zero
 only for k1), and k2's mean is not the KL; k3's value clamp to [-10, 10] (models/utils.py:113) fires as well.
+
+At a temperature (Setting.scored): OpenRLHF's Actor.forward divides the logits by its temperature in place and
+then calls log_probs_from_logits (models/actor.py); the actor, the old policy (the same actor at experience time)
+and the reference model (an Actor built with the same rollout temperature, trainer/ray/launcher.py) all do. The
+Actor's module imports flash_attn and cannot be imported here, so the adapter calls models/utils.py's
+log_probs_from_logits(logits, labels, temperature), whose own in-place division is the same operation, on the
+policy's and the reference's raw logits.
 """
 from __future__ import annotations
 
@@ -41,8 +48,8 @@ import types
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import (Library, package_file, Setting, old_or_current, require, reward_to_go_surrogate,
-                                   source_of, token_sum)
+from klbench.libraries.base import (Library, line_in, package_file, Setting, old_or_current, require, rescored,
+                                   reward_to_go_surrogate, source_of, token_sum)
 
 DIST, SUPPORTED = "openrlhf", "0.11.2"
 REWARD_CLIP_RANGE = (-10.0, 10.0)  # OpenRLHF's default --reward.clip_range (cli/train_ppo_ray.py)
@@ -68,6 +75,15 @@ def load() -> Library:
     utils = _load_utils()
     lib = Library(DIST, version)
     src = source_of(utils.compute_approx_kl)
+
+    def score(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        return utils.log_probs_from_logits(logits.clone(), tokens, temperature=temperature)  # [B, T]; its div_ in place
+
+    actor_div = line_in(DIST, "models/actor.py", '"logits"].div_(self.temperature)')
+    ref_temp = line_in(DIST, "trainer/ray/launcher.py", "temperature=strategy.args.rollout.temperature")
+    divides = (f"policy, reference and old: Actor.forward divides the logits ({actor_div}); the reference is an "
+               f"Actor with the rollout temperature ({ref_temp}); scored here by "
+               f"`{source_of(utils.log_probs_from_logits)}` (the Actor's module needs flash_attn)")
     for est in ("k1", "k2", "k3"):
         for unbiased in (False, True):
             def loss(batch: KLBatch, est=est, unbiased=unbiased) -> torch.Tensor:
@@ -77,7 +93,8 @@ def load() -> Library:
 
             name = f"openrlhf.{est}" + (".unbiased" if unbiased else "")
             note = "default kl_estimator" if est == "k1" and not unbiased else ""
-            lib.settings[name] = Setting(name, loss, src, "token sum per sequence, in the loss (use_kl_loss)", note)
+            lib.settings[name] = Setting(name, loss, src, "token sum per sequence, in the loss (use_kl_loss)", note,
+                                         scored=rescored(loss, score), divides_by_t=divides)
     reward_src = source_of(utils.compute_reward)
     for est in ("k1", "k2", "k3"):
         def reward_loss(batch: KLBatch, est=est) -> torch.Tensor:
@@ -91,5 +108,6 @@ def load() -> Library:
         lib.settings[name] = Setting(
             name, reward_loss, reward_src,
             "in the reward (compute_reward on the rollout's compute_approx_kl); return-to-go REINFORCE (klbench's)",
-            "kl.use_loss off, init_kl_coef=1, kl_estimator=" + est + (" (default)" if est == "k1" else ""))
+            "kl.use_loss off, init_kl_coef=1, kl_estimator=" + est + (" (default)" if est == "k1" else ""),
+            scored=rescored(reward_loss, score), divides_by_t=divides)
     return lib

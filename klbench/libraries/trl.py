@@ -18,6 +18,14 @@ RLOO: the KL enters the reward in `_generate_and_score_completions` (rloo_traine
 advantage the same way, -beta * sum_t (old_logp_t - ref_logp_t), and passes it with old_logps to the real
 `_compute_loss` (sequence ratio, PPO clip at TRL's epsilon). The leave-one-out baseline is left out: it does
 not change the expected gradient.
+
+GRPO and RLOO at a temperature (Setting.scored, the audit's sampling axis): nothing is stubbed. TRL patches the
+policy and the reference with `add_fused_lm_head(model, temperature=self.temperature)` in __init__ and scores both
+(and pi_old, when it is needed) with `_get_per_token_logps_and_entropies`; the adapter does the same to two stand-in
+models whose backbone returns klbench's raw logits as hidden states under an identity lm_head [V, V], and calls the
+real `_compute_loss(policy, inputs)` with the reference's (and, for RLOO's advantage, pi_old's) log-probs from the
+same scorer, so TRL's own kernel divides by the temperature. Samples come from the truncating sampler where the
+setting says top-p (generate's warpers; TRL's vLLM importance-sampling correction, off by default, is not modelled).
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ from collections import defaultdict
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import Library, Setting, old_or_current, require, source_of
+from klbench.libraries.base import Library, Setting, line_of, old_or_current, require, source_of
 
 DIST, SUPPORTED = "trl", "1.16.0"
 
@@ -115,6 +123,102 @@ def _per_row(trainer, batch: KLBatch, extra) -> torch.Tensor:
     return torch.stack(out)
 
 
+class _Backbone(torch.nn.Module):
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutput
+        return BaseModelOutput(last_hidden_state=self.hidden)
+
+
+class _TextConfig:
+    def get_text_config(self):
+        return self  # no softcapping, no logit scale: add_fused_lm_head reads them as absent
+
+
+class _LogitsModel(torch.nn.Module):
+    """A causal LM whose last hidden state is given logits [1, L, V] under an identity lm_head: TRL's fused head
+    then computes log_softmax(logits / temperature) of the labels with its own kernel and backward."""
+
+    def __init__(self, V: int, dtype: torch.dtype):
+        super().__init__()
+        self.config, self.backbone = _TextConfig(), _Backbone()
+        self.head = torch.nn.Linear(V, V, bias=False, dtype=dtype)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.eye(V, dtype=dtype))
+        self.head.weight.requires_grad_(False)
+
+    @property
+    def base_model(self):
+        return self.backbone
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, **kwargs):
+        raise RuntimeError("only add_fused_lm_head's forward is used")
+
+    def holding(self, logits: torch.Tensor) -> "_LogitsModel":
+        """logits [1, T, V] of the T response positions; a prompt of one token, so position t predicts y_{t+1}."""
+        self.backbone.hidden = torch.cat([logits, torch.zeros_like(logits[:, :1])], 1)  # [1, T + 1, V]
+        return self
+
+
+def _scored_grpo(trainer, add_fused_lm_head):
+    """GRPO's loss with TRL's scoring at the sampling's temperature (see the module docstring)."""
+    def scored(batch, sampling) -> torch.Tensor:
+        trainer.temperature = sampling.temperature  # as __init__: self.temperature = args.temperature
+        V, dtype = batch.logits.shape[-1], batch.logits.dtype
+        policy, ref = _LogitsModel(V, dtype), _LogitsModel(V, dtype)
+        add_fused_lm_head(policy, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        add_fused_lm_head(ref, temperature=trainer.temperature)
+        out = []
+        for b in range(batch.logits.shape[0]):
+            inputs = _row_inputs(batch, b)
+            inputs["completion_ids"] = batch.tokens[b:b + 1]
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            T = ids.shape[1] - 1
+            with torch.no_grad():
+                ref_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                    ref.holding(batch.ref_logits[b:b + 1]), ids, mask, T)
+            inputs.update({"advantages": torch.zeros(1, dtype=dtype), "ref_per_token_logps": ref_logps,
+                           "num_items_in_batch": torch.tensor(1.0, dtype=dtype)})
+            out.append(trainer._compute_loss(policy.holding(batch.logits[b:b + 1]), inputs))
+        return torch.stack(out)
+    return scored
+
+
+def _scored_rloo(trainer, add_fused_lm_head):
+    """RLOO's loss with TRL's scoring at the sampling's temperature: pi_old and pi_ref scored by the same
+    _get_per_token_logps_and_entropies (rloo_trainer.py, _generate_and_score_completions; pi_old = pi on-policy),
+    the advantage formed from them as `loss` forms it, and the real _compute_loss on the stand-in policy."""
+    def scored(batch, sampling) -> torch.Tensor:
+        trainer.temperature = sampling.temperature  # as __init__: self.temperature = args.temperature
+        V, dtype = batch.logits.shape[-1], batch.logits.dtype
+        policy, old, ref = (_LogitsModel(V, dtype) for _ in range(3))
+        add_fused_lm_head(policy, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        add_fused_lm_head(old, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        add_fused_lm_head(ref, temperature=trainer.temperature)
+        out = []
+        for b in range(batch.logits.shape[0]):
+            inputs = _row_inputs(batch, b)
+            inputs["completion_ids"] = batch.tokens[b:b + 1]
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            T = ids.shape[1] - 1
+            with torch.no_grad():
+                old_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                    old.holding(batch.logits[b:b + 1].detach()), ids, mask, T)
+                ref_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                    ref.holding(batch.ref_logits[b:b + 1]), ids, mask, T)
+            m = inputs["completion_mask"].to(dtype)
+            old_logps, ref_logps = old_logps.to(dtype) * m, ref_logps.to(dtype) * m  # [1, T]
+            inputs.update({"advantages": -trainer.beta * (old_logps - ref_logps).sum(-1),
+                           "old_logps": old_logps.sum(-1)})
+            out.append(trainer._compute_loss(policy.holding(batch.logits[b:b + 1]), inputs))
+        return torch.stack(out)
+    return scored
+
+
 def load() -> Library:
     version = require(DIST, SUPPORTED)
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -122,6 +226,11 @@ def load() -> Library:
     lib = Library(DIST, version)
     acc, trainers = None, []  # the Accelerator is made after every config: TrainingArguments resets its state
     grpo_src, rloo_src = source_of(GRPOTrainer._compute_loss), source_of(RLOOTrainer._compute_loss)
+    from trl.trainer.utils import add_fused_lm_head
+    divides = (f"policy, reference and old: add_fused_lm_head(..., temperature=self.temperature) on the model "
+               f"({line_of(GRPOTrainer.__init__, 'add_fused_lm_head(')}) and ref_model "
+               f"({line_of(GRPOTrainer.__init__, 'self.ref_model, temperature=self.temperature')}), all three scored "
+               f"by `{source_of(GRPOTrainer._get_per_token_logps_and_entropies)}`")
     for name, over in GRPO_SETTINGS.items():
         trainer = _grpo_trainer(GRPOTrainer, GRPOConfig, over, acc)
         trainers.append(trainer)
@@ -139,10 +248,17 @@ def load() -> Library:
             return _per_row(trainer, batch, extra)
 
         a = trainer.args
+        unstubbed = _grpo_trainer(GRPOTrainer, GRPOConfig, over, acc)  # its scorer stays TRL's own
+        trainers.append(unstubbed)
         lib.settings[name] = Setting(
             name, loss, grpo_src, f"_compute_loss per sequence, loss_type={a.loss_type}",
             f"beta={a.beta}, use_bias_correction_kl={a.use_bias_correction_kl}, "
-            f"importance_sampling_level={a.importance_sampling_level}")
+            f"importance_sampling_level={a.importance_sampling_level}",
+            scored=_scored_grpo(unstubbed, add_fused_lm_head), divides_by_t=divides)
+    rloo_divides = (f"policy, reference and old: add_fused_lm_head(..., temperature=self.temperature) on the model "
+                    f"({line_of(RLOOTrainer.__init__, 'add_fused_lm_head(')}) and ref_model "
+                    f"({line_of(RLOOTrainer.__init__, 'add_fused_lm_head(self.ref_model')}), all three scored by "
+                    f"`{source_of(RLOOTrainer._get_per_token_logps_and_entropies)}`")
     for name, over in RLOO_SETTINGS.items():
         trainer = _rloo_trainer(RLOOTrainer, RLOOConfig, over, acc)
         trainers.append(trainer)
@@ -158,9 +274,12 @@ def load() -> Library:
             return _per_row(trainer, batch, extra)
 
         a = trainer.args
+        unstubbed = _rloo_trainer(RLOOTrainer, RLOOConfig, over, acc)  # its scorer stays TRL's own
+        trainers.append(unstubbed)
         lib.settings[name] = Setting(
             name, loss, rloo_src, "_compute_loss per sequence (sequence ratio, PPO clip); KL in the reward",
-            f"beta={a.beta}, epsilon={a.epsilon}")
+            f"beta={a.beta}, epsilon={a.epsilon}", scored=_scored_rloo(unstubbed, add_fused_lm_head),
+            divides_by_t=rloo_divides)
     acc = _accelerator()
     for t in trainers:
         t.accelerator = acc

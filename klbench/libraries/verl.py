@@ -46,7 +46,8 @@ from __future__ import annotations
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import (Library, Setting, old_or_current, require, reward_to_go_surrogate, source_of,
+from klbench.libraries.base import (Library, Setting, line_in, line_of, old_or_current, require, rescored,
+                                   reward_to_go_surrogate, source_of,
                                    token_sum)
 
 DIST, SUPPORTED = "verl", "0.9.1"
@@ -98,6 +99,28 @@ def _ppo_loss_per_row(ppo_loss, config, batch: KLBatch) -> torch.Tensor:
     return torch.stack(out)
 
 
+def _scorer():
+    """verl's log-prob scoring at a temperature, as FSDPEngineWithLMHead.prepare_model_outputs does it on the
+    unpadded logits: its own _scale_logits_by_temperature, then logprobs_from_logits. The trainer sets one
+    temperature, the rollout's, in the step batch's meta_info, and the same engine scores the policy, the old
+    policy and the reference with it. Returns (score(logits [B, T, V], tokens [B, T], T) -> [B, T], the statement
+    of which logits are divided, with file:line)."""
+    from verl.workers.engine.fsdp import transformer_impl as fsdp
+
+    def score(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        B, T, V = logits.shape
+        t = torch.full((B * T, 1), float(temperature))  # [N, 1] verl's per-token temperature
+        x = fsdp._scale_logits_by_temperature(logits.reshape(B * T, V), t, is_unit_temperature=temperature == 1)
+        return fsdp.logprobs_from_logits(logits=x, labels=tokens.reshape(-1), inplace_backward=False).reshape(B, T)
+
+    # ray_trainer imports torchdata, which klbench does not install: the line is read from the file
+    meta = line_in(DIST, "trainer/ppo/ray_trainer.py", 'batch.meta_info["temperature"] = self.config.actor_rollout')
+    divides = (f"policy, reference and old: one rollout temperature for the step's batch ({meta}), divided in "
+               f"the engine that scores all three "
+               f"({line_of(fsdp.FSDPEngineWithLMHead.prepare_model_outputs, '_scale_logits_by_temperature(')})")
+    return score, divides
+
+
 def load() -> Library:
     version = require(DIST, SUPPORTED)
     from verl.trainer.ppo import core_algos  # imports ray and tensordict: see scripts/install_libraries.sh
@@ -106,13 +129,14 @@ def load() -> Library:
 
     lib = Library(DIST, version)
     src = source_of(core_algos.kl_penalty)
+    score, divides = _scorer()
     for kind in KL_TYPES:
         def loss(batch: KLBatch, kind=kind) -> torch.Tensor:
             return token_sum(core_algos.kl_penalty(batch.masked_logp, batch.ref_logp, kind), batch)
 
         lib.settings[f"verl.kl_penalty.{kind}"] = Setting(
             f"verl.kl_penalty.{kind}", loss, src, "token sum per sequence (seq-mean-token-sum), in the loss",
-            "use_kl_loss=True, kl_loss_type=" + kind)
+            "use_kl_loss=True, kl_loss_type=" + kind, scored=rescored(loss, score), divides_by_t=divides)
     for name, over in PPO_LOSS_SETTINGS.items():
         config = _actor_config(ActorConfig, over)
 
@@ -124,7 +148,8 @@ def load() -> Library:
             f"ppo_loss per sequence, loss_agg_mode={config.loss_agg_mode}, batch_num_tokens = "
             "global_batch_size = 1, advantages 0",
             f"use_kl_loss=True, kl_loss_coef=1, kl_loss_type={config.kl_loss_type}, "
-            f"policy_loss={config.policy_loss.loss_mode}, clip_ratio={config.clip_ratio}")
+            f"policy_loss={config.policy_loss.loss_mode}, clip_ratio={config.clip_ratio}",
+            scored=rescored(actor_loss, score), divides_by_t=divides)
     for kind in ("kl", "low_var_kl"):  # "kl" is algorithm.kl_penalty's default
         def reward_loss(batch: KLBatch, kind=kind) -> torch.Tensor:
             with torch.no_grad():
@@ -134,7 +159,8 @@ def load() -> Library:
         lib.settings[f"verl.kl_in_reward.{kind}"] = Setting(
             f"verl.kl_in_reward.{kind}", reward_loss, src,
             "in the reward on old_log_probs (as ray_trainer.apply_kl_penalty); return-to-go REINFORCE (klbench's)",
-            "use_kl_in_reward=True, kl_penalty=" + kind + (" (default)" if kind == "kl" else ""))
+            "use_kl_in_reward=True, kl_penalty=" + kind + (" (default)" if kind == "kl" else ""),
+            scored=rescored(reward_loss, score), divides_by_t=divides)
     _distill_settings(lib, ActorConfig)
     return lib
 
