@@ -86,6 +86,8 @@ class TaskRL(SamplingFields):
     grad_clip: Optional[float] = Field(None, ge=0)  # train reads it with .get; null: no clipping
     # optimiser steps per rollout (GRPO num_iterations, PPO epochs): > 1 reuses each rollout off-policy
     inner_steps: PosInt = 1
+    # sequences scored at once (klbench.models.policies.LMPolicy.score); None: the whole batch
+    micro_batch_size: Optional[PosInt] = None
     clip_eps: float = Field(0.2, gt=0, le=1)  # PPO clip of the reward term's ratio (inner_steps > 1)
     # a small klbench.probe.measure at the validations whose step is a multiple of probe_every (null: never)
     probe_every: Optional[int] = Field(None, ge=1)
@@ -236,6 +238,7 @@ class ModelEmbedded(Options):
     spec: EmbeddedSpec
     dtype: DType
     lora: Lora = Lora()
+    gradient_checkpointing: bool = False  # transformers' activation checkpointing (klbench.models.hf)
     attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # as ModelHF's
 
 
@@ -245,6 +248,7 @@ class ModelHF(Options):
     ref_name_or_path: Str
     dtype: DType
     lora: Lora = Lora()
+    gradient_checkpointing: bool = False  # transformers' activation checkpointing (klbench.models.hf)
     trust_remote_code: bool = False  # run the folder's own modelling code (klbench.models.hf.load_causal_lm)
     attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # null: the model's default (SDPA)
     # the sampling options of the folder's generation_config: klbench's task.temperature/top_k/top_p (the
@@ -541,6 +545,7 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
                           f"not task={task} (`klbench-audit --all` lists each task's settings)")
     _check_tabular_pair(cfg, teacher)
     n = t.n_samples
+    _check_micro_batch(cfg, t, e, model)
     _check_placement(t, e, OmegaConf.select(cfg, "kl_ctl.name"))
     if e.name == "loo" and n < 2:
         raise ConfigError(f"estimator loo needs task.n_samples >= 2 (samples per prompt), got {n}")
@@ -554,6 +559,28 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
     elif cfg.dataset.get("answer_field") is not None:
         raise ConfigError(f"dataset.answer_field={cfg.dataset.answer_field} is read by reward=answer only, got "
                           f"reward={reward}: drop it (dataset.answer_field=null) or use reward=answer")
+
+
+def _check_micro_batch(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str) -> None:
+    """task.micro_batch_size scores a language model's batch in parts (LMPolicy.score); model.gradient_checkpointing
+    recomputes the policy's layers. Neither has anything to do elsewhere, and neither is ignored silently."""
+    if OmegaConf.select(cfg, "teacher.gradient_checkpointing"):
+        raise ConfigError("teacher.gradient_checkpointing=true: the teacher is the frozen pi_ref and computes no "
+                          "gradient; checkpointing is the student's option (model.gradient_checkpointing)")
+    m = t.micro_batch_size
+    if m is None:
+        return
+    if model == "tabular":
+        raise ConfigError(f"task.micro_batch_size={m}: the tabular model scores a batch by table lookup, with no "
+                          "activations to save; it applies to language models (model=embedded or model=hf)")
+    n = t.prompts_per_step * t.n_samples
+    if m > n:
+        raise ConfigError(f"task.micro_batch_size={m} is larger than a step's batch of task.prompts_per_step x "
+                          f"task.n_samples = {n} sequences: choose at most {n}, or null to score the batch at once")
+    if e.name in ("topk_tail", "topk_trunc"):
+        raise ConfigError(f"estimator={e.name} reads the full [B, T, V] logits, which task.micro_batch_size={m} "
+                          "never holds for the whole batch: drop task.micro_batch_size (null) or use rb, vopd, seq, "
+                          "loo, ...")
 
 
 def _check_answer(cfg: DictConfig) -> None:

@@ -221,3 +221,28 @@ def check_same_vocab(tok_a, tok_b, what_a: str = "policy", what_b: str = "refere
         a, b = getattr(tok_a, attr), getattr(tok_b, attr)
         if a != b:
             raise ValueError(f"{what_a} and {what_b} tokenizers differ in {attr}: {a} vs {b}")
+
+
+def enable_checkpointing(model, setting: str = "model") -> None:
+    """model.gradient_checkpointing: transformers' activation checkpointing of every decoder layer (its activations
+    are recomputed in backward instead of kept), with dropout still off.
+
+    transformers checkpoints a layer only while that layer module is in training mode, and klbench keeps every
+    model in eval mode (LMPolicy.train: dropout off). So only the checkpointing layers themselves are flagged as
+    training (`checkpointing_layers_on`), not their submodules: their dropout modules stay in eval mode. A ConfigError
+    naming `setting` where the architecture has no checkpointing."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"{setting}.gradient_checkpointing=true: {type(model).__name__} does not support "
+                          f"gradient checkpointing in transformers; set {setting}.gradient_checkpointing=false")
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    checkpointing_layers_on(model)
+
+
+def checkpointing_layers_on(model) -> int:
+    """Flags the layers transformers checkpoints as training (they then checkpoint whenever gradients are on; see
+    enable_checkpointing); returns how many there are: 0 for a model without checkpointing."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for m in layers:
+        m.training = True  # the attribute alone: submodules (dropout) keep eval mode
+    return len(layers)

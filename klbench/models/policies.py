@@ -12,13 +12,15 @@ probe and the sweeps ask a policy for its prompt and its ground truth, never for
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
+from klbench.estimators.chunked import exact_token_entropy
 from klbench.console import messages as console
 from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target, target_batch, token_logprob
 from klbench.config.errors import ConfigError
@@ -40,6 +42,40 @@ class Rollout:
     prompts: list[str]
     seq_ids: torch.Tensor | None = None  # [B] tabular sequence ids
     sample_logp: torch.Tensor | None = None  # [B, L] the sampler's log pi_s of its tokens, where it keeps them
+
+    def rows(self, i: int, j: int) -> "Rollout":
+        """Sequences i..j-1: the same prompt length P (left padding kept), every per-sequence field sliced."""
+        cut = {f.name: getattr(self, f.name)[i:j] for f in fields(self)
+               if f.name != "prompt_len" and getattr(self, f.name) is not None}
+        return replace(self, **cut)
+
+
+@dataclass
+class ScoredBatch(KLBatch):
+    """A KLBatch scored in micro-batches (LMPolicy.score with micro_batch_size): the [B, T, V] logits were reduced,
+    micro-batch by micro-batch, to what the estimators and the logs read, and are not kept. token_kl (the exact
+    per-position KL, rb's kappa) is always set and differentiable; logits and ref_logits are None.
+
+    sampler_logp: [B, T] log pi_s(y), differentiable, where it is not logp itself (Policy.sampler_logp)
+    entropy:      [B, T] exact per-position entropy of the batch's policy, detached (train/entropy)
+    """
+
+    sampler_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def token_entropy(batch: KLBatch) -> torch.Tensor | None:
+    """[B, T] exact per-position entropy of the batch's policy (0 off the mask), or None without its logits."""
+    if isinstance(batch, ScoredBatch):
+        return batch.entropy
+    if batch.logits is None:
+        return None
+    return exact_token_entropy(batch.logits, batch.mask, batch.chunk_rows)
+
+
+def has_distributions(batch: KLBatch) -> bool:
+    """Whether rb's exact per-position KL is available: the full logits, or their reduction (ScoredBatch)."""
+    return batch.logits is not None or batch.token_kl is not None
 
 
 def response_mask(resp: torch.Tensor, eos_ids) -> torch.Tensor:
@@ -64,15 +100,19 @@ class Policy(nn.Module):
         """n samples y ~ pi_s per prompt (ancestral; pi itself at plain sampling)."""
         raise NotImplementedError
 
-    def score(self, ro: Rollout) -> KLBatch:
+    def score(self, ro: Rollout, micro_batch_size: int | None = None) -> KLBatch:
         """The KL target's batch of a rollout's responses (klbench.estimators.sampling.target_batch): the log-probs
-        and logits of the two distributions it compares; old_logp = log pi_s for kl_target=model."""
+        and logits of the two distributions it compares; old_logp = log pi_s for kl_target=model.
+        micro_batch_size (task.micro_batch_size; language models): a ScoredBatch built that many sequences at a
+        time, whose gradient is the whole batch's (LMPolicy.score)."""
         raise NotImplementedError
 
     def sampler_logp(self, ro: Rollout, batch: KLBatch) -> torch.Tensor:
         """[B, T] log pi_s(y), differentiable: the reward term's REINFORCE log-prob (the run maximises the reward
         of the policy as it samples, E_{y ~ pi_s}[r]), and the scorer's side of train/logp_gap. It is batch.logp
         itself wherever the target scores pi_s (sampler; tempered targets without truncation)."""
+        if isinstance(batch, ScoredBatch) and batch.sampler_logp is not None:  # computed per micro-batch
+            return batch.sampler_logp
         s, target = self.sampling, self.kl_target
         if s.is_plain or target == "sampler" or (target != "model" and not s.truncates):
             return batch.logp
@@ -146,6 +186,9 @@ class LMPolicy(Policy):
         super().train(mode)
         self.model.eval()
         self.ref.eval()
+        from klbench.models.hf import checkpointing_layers_on
+        # model.gradient_checkpointing: its layers alone back in training mode (klbench.models.hf.enable_checkpointing)
+        self.checkpointing = checkpointing_layers_on(self.model) > 0
         return self
 
     @torch.no_grad()
@@ -169,20 +212,47 @@ class LMPolicy(Policy):
         return Rollout(torch.cat([ids, resp], 1), torch.cat([attn, mask.long()], 1), ids.shape[1], mask, group, texts,
                        [p for p in prompts for _ in range(n)], sample_logp=s.logp)
 
-    @staticmethod
-    def _logits(model, ro: Rollout, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _logits(self, model, ro: Rollout, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """[B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2)."""
         L = ro.mask.shape[1]
         # the LM head projects the last L + 1 positions only, not the prompt's (the same bits where it runs);
-        # a model that ignores logits_to_keep returns all positions, and the slice from the end still holds
-        if gpt2_decode.unsupported(model) is None:  # a plain GPT-2: the same bits without transformers' layers
+        # a model that ignores logits_to_keep returns all positions, and the slice from the end still holds.
+        # A plain GPT-2 takes the same bits without transformers' layers, unless they are to checkpoint
+        if gpt2_decode.unsupported(model) is None and not (self.checkpointing and model is self.model):
             logits = gpt2_logits(model, ro.tokens, pos, L + 1, mask)
         else:
+            # no KV cache: scoring never reads one, and a layer that writes it would write it again when
+            # checkpointing recomputes the layer (GPT-2's does, whatever transformers' checkpointing turns off)
             logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos,
-                           logits_to_keep=L + 1).logits
+                           logits_to_keep=L + 1, use_cache=False).logits
         return logits[:, -(L + 1): -1]
 
-    def score(self, ro: Rollout) -> KLBatch:
+    def score(self, ro: Rollout, micro_batch_size: int | None = None) -> KLBatch:
+        if micro_batch_size is None or micro_batch_size >= ro.tokens.shape[0]:
+            return self._score(ro)
+        # task.micro_batch_size. Each micro-batch's forward runs under torch.utils.checkpoint and keeps only
+        # per-position [m, T] reductions of its logits (log-probs, the exact KL, the entropy); backward runs it
+        # again, one micro-batch at a time. So no more than one micro-batch's activations and [m, T, V] logits
+        # are alive at once, while the loss still sees the whole batch: its gradient is the full batch's for every
+        # estimator, whatever it reads across sequences (loo's and grpo's groups, token_mean's token count)
+        parts = []
+        for i in range(0, ro.tokens.shape[0], micro_batch_size):
+            sub = ro.rows(i, i + micro_batch_size)
+            parts.append(checkpoint(self._reduced, sub, use_reentrant=False) if torch.is_grad_enabled()
+                         else self._reduced(sub))
+        logp, ref_logp, old, kappa, slogp, ent = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        return ScoredBatch(logp, ref_logp, ro.mask, group=ro.group, old_logp=old, token_kl=kappa,
+                           sampler_logp=slogp, entropy=ent)
+
+    def _reduced(self, ro: Rollout) -> tuple:
+        """One micro-batch's (logp, ref_logp, old_logp, token_kl, sampler_logp, entropy), each [m, T] or None."""
+        batch = self._score(ro)
+        slogp = self.sampler_logp(ro, batch)
+        with torch.no_grad():
+            ent = exact_token_entropy(batch.logits, batch.mask, batch.chunk_rows)
+        return batch.logp, batch.ref_logp, batch.old_logp, batch.kappa, None if slogp is batch.logp else slogp, ent
+
+    def _score(self, ro: Rollout) -> KLBatch:
         # left padding: positions count real tokens only, as the sampler did; once for both models
         pos = position_ids_from_mask(ro.attention)  # [B, P + L]
         mask = sdpa_mask(ro.attention)  # [B, 1, P + L, P + L] or None: for a plain GPT-2 (gpt2_score.py)
@@ -267,7 +337,8 @@ class TabularPolicy(Policy):
         group = torch.arange(len(prompts)).repeat_interleave(n)
         return Rollout(tokens, mask.long(), 0, mask, group, texts, [p for p in prompts for _ in range(n)], ids)
 
-    def score(self, ro: Rollout) -> KLBatch:
+    def score(self, ro: Rollout, micro_batch_size: int | None = None) -> KLBatch:
+        # micro_batch_size: the schema refuses it here (the table is the whole model: nothing to save)
         batch = self.table.batch(self.theta, ro.seq_ids, group=ro.group, sampling=self._sampled,
                                  target=self.kl_target)
         # the exact per-position KL in one block: its [B, T, K] logits exist whole already, and the default
@@ -375,6 +446,8 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
     model, tok = models.load_causal_lm(path, cfg.dtype, **_load_options(cfg, "model", "name_or_path"))
+    if cfg.get("gradient_checkpointing"):
+        models.enable_checkpointing(model, "model")
     ref = ref_tok = None
     if (cfg.get("lora") or {}).get("r"):
         from klbench.models.lora import WithoutAdapter, add_lora

@@ -19,10 +19,9 @@ from lightning.pytorch.utilities import grad_norm
 
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.advantages import advantage, reward_loss
-from klbench.estimators.chunked import exact_token_entropy
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.tasks.kl_control import build_kl_control
-from klbench.models.policies import Policy, Rollout
+from klbench.models.policies import Policy, Rollout, has_distributions, token_entropy
 from klbench.tasks.offpolicy import off_policy_step
 
 # train/kl_<label>: value estimator name and options, all on the same batch
@@ -67,7 +66,7 @@ class RLTask(pl.LightningModule):
         if self.cfg.get("inner_steps", 1) > 1:  # several optimiser steps per rollout: klbench/tasks/offpolicy.py
             return off_policy_step(self, prompts)
         ro = self.policy.rollout(prompts, self.cfg["n_samples"])
-        batch = self.policy.score(ro)
+        batch = self.policy.score(ro, self.micro_batch_size)
         reward = self.rewards(ro)  # [B]
         slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
         slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
@@ -78,6 +77,11 @@ class RLTask(pl.LightningModule):
             self._log_train(batch, reward, ro, loss, n_clamped, slogp)
         self._control_beta(batch)
         return loss
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """task.micro_batch_size: sequences scored at once (klbench.models.policies.LMPolicy.score); None: all."""
+        return self.cfg.get("micro_batch_size")
 
     @property
     def loss_agg(self) -> tuple[str, int]:
@@ -116,7 +120,7 @@ class RLTask(pl.LightningModule):
         m = {"train/beta": self.beta}
         signal = self.kl_ctl.signal
         if signal is not None:
-            if signal == "rb" and batch.logits is None:
+            if signal == "rb" and not has_distributions(batch):
                 raise ValueError("kl_ctl.signal=rb needs the policy's logits, which this model does not give")
             v = self.values[signal](batch)  # [B] nats per sequence
             kl = self.trainer.strategy.reduce(v.double().mean(), reduce_op="mean")
@@ -146,7 +150,7 @@ class RLTask(pl.LightningModule):
         # value estimators that assume y ~ pi are left out on a behaviour batch (kl_target=model off plain sampling)
         off = batch.is_off_policy
         m = {f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
-             if (label != "rb" or batch.logits is not None) and (not off or est.supports_off_policy())}
+             if (label != "rb" or has_distributions(batch)) and (not off or est.supports_off_policy())}
         if ro.sample_logp is not None and slogp is not None:
             # the sampler's own log pi_s against the scoring pass's, real tokens only: 0 where both run the same
             # arithmetic (float32 on CPU), not in bf16 with SDPA (docs/sampling.md, "Sampler and scorer")
@@ -158,8 +162,9 @@ class RLTask(pl.LightningModule):
             m[f"train/{key}"] = v.sum() if key == "no_answer" else v.mean()
         m["train/loss"] = loss.detach()
         m["train/response_len"] = batch.mask.sum(-1).float().mean()
-        if batch.logits is not None:
-            m["train/entropy"] = exact_token_entropy(batch.logits, batch.mask, batch.chunk_rows).sum() / batch.mask.sum()
+        entropy = token_entropy(batch)  # [B, T] or None
+        if entropy is not None:
+            m["train/entropy"] = entropy.sum() / batch.mask.sum()
         if n_clamped is not None:
             m["train/n_clamped"] = float(n_clamped)
         self._log_now(m)
@@ -204,7 +209,7 @@ class RLTask(pl.LightningModule):
             # rb needs y ~ pi, so the KL is measured on a second draw from pi itself (the same stream, after)
             target = self.policy.on_target()
             ro_kl = ro if target is self.policy else target.rollout(prompts, self.cfg["val_samples"])
-        batch = target.score(ro_kl)  # the view scores its own draws: y ~ pi, an on-policy batch of the target
+        batch = target.score(ro_kl, self.micro_batch_size)  # the view scores its own draws: y ~ pi, an on-policy batch of the target
         reward = self.rewards(ro)
         seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
         judged = {k: v.tolist() for k, v in self.judged(ro).items()}
