@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from klbench.estimators import KLBatch, gradient_estimator
+from klbench.estimators.sampling import Sampling
 from klbench.exact.tabular import TabularModel, audit, default_instances
 
 
@@ -28,6 +29,17 @@ CASES = [("vopd", {}, "kl_pi_ref"), ("vopd", {"form": "token"}, "partial_kl_pi_r
 @pytest.mark.parametrize("name,opts,match", CASES, ids=lambda v: str(v))
 def test_expected_gradient_is_the_docstrings(task, name, opts, match):
     assert audit(gradient_estimator(name, **opts), instances=SETS[task](), tol=1e-9).match == match
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.7), Sampling(0.7, top_p=0.9), Sampling(top_k=2)],
+                         ids=lambda s: s.describe())
+@pytest.mark.parametrize("name,opts,match", CASES, ids=lambda v: str(v))
+def test_expected_gradient_on_the_runs_scoring_path(sampling, name, opts, match):
+    # the batch a run scores (klbench.estimators.sampling.target_batch: log pi(y_t) as gather - logsumexp, the
+    # target sampler's pair), not a log_softmax batch: topk_tail once found the sampled token by exact equality
+    # of the two log-probs and counted the k-th head token as tail here ("none of the above", 1.66 off)
+    report = audit(gradient_estimator(name, **opts), sampling=sampling, target="sampler", tol=1e-9)
+    assert report.match == match, report
 
 
 def test_topk_tail_at_k_equal_v_is_rb_exactly_and_its_tail_costs_variance():

@@ -56,10 +56,12 @@ def _head(batch: KLBatch, k: int, by: str) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def _sampled_in_head(batch: KLBatch, logp_all: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """[B, T] whether the sampled token y_t is in the policy's head. KLBatch carries log pi(y_t), not y_t: a token
-    is in the policy's top-k head iff its log-prob is at least the k-th largest (ties have probability zero)."""
-    kth = torch.where(head, logp_all.detach(), torch.full_like(logp_all.detach(), float("inf"))).amin(-1)  # [B, T]
-    return batch.logp.detach() >= kth
+    """[B, T] whether the sampled token y_t is in the head. KLBatch carries log pi(y_t), not y_t: the sampled token is
+    the one whose log-prob in logp_all is nearest batch.logp. Nearest, not equal: a run's batch computes log pi(y_t)
+    as gather - logsumexp, logp_all is a log_softmax, and the two differ in the last bits (an exact comparison once
+    counted the k-th head token as tail, biasing topk_tail on every run's scoring path)."""
+    gap = (logp_all.detach() - batch.logp.detach().unsqueeze(-1)).abs()  # [B, T, V]
+    return head.gather(-1, gap.argmin(-1, keepdim=True)).squeeze(-1)  # [B, T]
 
 
 @gradient
