@@ -93,6 +93,7 @@ def test_a_sweep_is_refused_for_any_value_it_would_run(overrides, refused, tmp_p
     (["experiment=tabualr"], "experiment=tabualr"),
     (["-m", "sweep=rl_betaa", "experiment=tabular"], "sweep=rl_betaa"),
     (["-m", "sweep=rl_beta", "experiment=tabualr"], "experiment=tabualr"),  # before the sweep's own callback
+    (["task=distill", "model@teacher=hff"], "model@teacher=hff"),  # a null default: Hydra's 11 lines before
 ])
 def test_the_cli_refuses_before_anything_runs(tmp_path, overrides, refused):
     """The real `klbench`: exit 1, one line naming the option and the valid names, and nothing made (no
@@ -104,7 +105,7 @@ def test_the_cli_refuses_before_anything_runs(tmp_path, overrides, refused):
     outputs = tmp_path / "outputs"
     proc = subprocess.run([sys.executable, "-c", code, *overrides], cwd=tmp_path, env=cli_env(outputs),
                           capture_output=True, text=True, timeout=120)  # the 2 s target is a benchmark
-    group = refused.split("=")[0]
+    group = refused.split("=")[0].split("@")[0]
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr == f"klbench: error: {refused} is unknown; valid: {', '.join(GROUPS[group])}\n", proc.stderr
     assert proc.stdout == "HEAVY []\n", proc.stdout
