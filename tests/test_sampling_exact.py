@@ -92,6 +92,11 @@ CLAIMS = [  # (estimator, options, n, expected gradient from the target's candid
     ("in_loss", {"value": "k3", "ratio_grad": "differentiable"}, 1, lambda g: g["partial_kl_pi_ref"]),
     ("in_loss", {"value": "k3", "ratio": "sequence", "ratio_grad": "differentiable"}, 1, lambda g: g["kl_pi_ref"]),
     ("in_loss", {"value": "k2", "ratio": "sequence", "ratio_grad": "differentiable"}, 1, lambda g: g["E_k2"]),
+    # the OPD estimators (klbench/estimators/opd.py); topk_trunc is biased on purpose (tests/test_opd_estimators.py)
+    ("vopd", {}, 1, lambda g: g["kl_pi_ref"]),
+    ("vopd", {"form": "token"}, 1, lambda g: g["partial_kl_pi_ref"]),
+    ("topk_tail", {"k": 1}, 1, lambda g: g["kl_pi_ref"]),
+    ("topk_tail", {"k": 2}, 1, lambda g: g["kl_pi_ref"]),
 ]
 
 
