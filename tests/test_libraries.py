@@ -192,6 +192,17 @@ def test_verl_refuses_k1_backprop():
     assert all(c.match.startswith(K1_REFUSED) for c in cells), [c.match for c in cells]
 
 
+def test_verl_distill_default_is_the_trainer_configs():
+    """verl's default OPD loss is what its trainer config composes (distillation.yaml: k3 backpropagated, no
+    clamps), not DistillationLossConfig's dataclass defaults (use_policy_gradient True, clamps 10 and -10)."""
+    settings = _library("verl").settings
+    marked = [n for n, s in settings.items() if "trainer's defaults" in s.note]
+    assert marked == ["verl.distill.k3"], marked
+    note = settings["verl.distill.k3"].note
+    assert "use_policy_gradient=False" in note and "distillation.yaml:" in note
+    assert "loss_max_clamp=None" in note and "log_prob_min_clamp=None" in note
+
+
 def test_a_settings_name_says_its_task():
     from klbench.estimators.options import setting_task
 

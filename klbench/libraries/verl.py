@@ -46,9 +46,8 @@ from __future__ import annotations
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import (Library, Setting, line_in, line_of, old_or_current, require, rescored,
-                                   reward_to_go_surrogate, source_of,
-                                   token_sum)
+from klbench.libraries.base import (Library, Setting, line_in, line_of, old_or_current, package_file, require,
+                                   rescored, reward_to_go_surrogate, source_of, token_sum)
 
 DIST, SUPPORTED = "verl", "0.9.1"
 KL_TYPES = ("k1", "kl", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+")
@@ -168,8 +167,11 @@ def load() -> Library:
 # ---- on-policy distillation: verl/trainer/distillation/losses.py ----
 # every registered loss_mode, each with use_policy_gradient false (the per-token loss backpropagated, "as in
 # arXiv 2306.13649") and true (its negative as a per-token advantage of verl's vanilla PPO policy loss, "as in
-# the Thinking Machines blog"). DistillationLossConfig's defaults otherwise: loss_mode k3,
-# use_policy_gradient True, loss_max_clamp 10, log_prob_min_clamp -10, topk 128.
+# the Thinking Machines blog"). The other options are those of verl's trainer config, which every verl run
+# composes (trainer/config/distillation/distillation.yaml: loss_mode k3, use_policy_gradient false, no clamps);
+# DistillationLossConfig's own dataclass defaults differ (use_policy_gradient True, loss_max_clamp 10,
+# log_prob_min_clamp -10) and apply only to a config built in Python.
+TRAINER_CONFIG = "trainer/config/distillation/distillation.yaml"
 DISTILL_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk")
 TOPK_ON_TABULAR = {"forward_kl_topk": None, "forward_kl_topk.k2": 2}  # None: k = V, the whole vocabulary
 
@@ -207,7 +209,9 @@ def _distill_settings(lib: Library, ActorConfig) -> None:
     from verl.trainer.distillation.fsdp import losses as fsdp_losses
     from verl.workers.config import DistillationLossConfig
 
-    defaults = DistillationLossConfig()  # prints nothing: k3 with policy gradient
+    from omegaconf import OmegaConf
+    defaults = OmegaConf.load(package_file(DIST, *TRAINER_CONFIG.split("/"))).distillation_loss  # the trainer's
+    where = line_in(DIST, TRAINER_CONFIG, "use_policy_gradient:")
     actor_config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)  # loss_agg token-mean
     src = source_of(dl.distillation_loss)
     modes = [m for m in DISTILL_MODES if m != "forward_kl_topk"] + list(TOPK_ON_TABULAR)
@@ -220,7 +224,9 @@ def _distill_settings(lib: Library, ActorConfig) -> None:
                 # built per call: k1 without policy gradient is refused by verl's own __post_init__, and that
                 # refusal is this cell's result; forward_kl_topk with pg prints a warning, silenced here
                 with contextlib.redirect_stdout(io.StringIO()):
-                    config = DistillationLossConfig(loss_mode=loss_mode, use_policy_gradient=pg)
+                    config = DistillationLossConfig(loss_mode=loss_mode, use_policy_gradient=pg,
+                                                    loss_max_clamp=defaults.loss_max_clamp,
+                                                    log_prob_min_clamp=defaults.log_prob_min_clamp)
                 old = old_or_current(batch)
                 ref = torch.where(batch.mask, batch.ref_logp, torch.zeros((), dtype=batch.ref_logp.dtype))
                 return torch.stack([_distill_row(dl, fsdp_losses, config, actor_config, batch, b, old, ref, topk)
@@ -228,7 +234,8 @@ def _distill_settings(lib: Library, ActorConfig) -> None:
 
             is_default = loss_mode == defaults.loss_mode and pg == defaults.use_policy_gradient
             topk = TOPK_ON_TABULAR.get(mode, "-")
-            note = (f"loss_mode={loss_mode}, use_policy_gradient={pg}" + (" (defaults)" if is_default else "") +
+            note = (f"loss_mode={loss_mode}, use_policy_gradient={pg}" +
+                    (f" (the trainer's defaults, {where})" if is_default else "") +
                     (f", topk={'V (all)' if topk is None else topk}" if topk != "-" else "") +
                     f", loss_max_clamp={defaults.loss_max_clamp}, log_prob_min_clamp={defaults.log_prob_min_clamp}")
             agg = ("per-token advantage -loss_t of vanilla PPO (per-token ratio)" if pg else
