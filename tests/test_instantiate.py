@@ -75,25 +75,35 @@ def test_dataset_options_build(tmp_path, option):
 @pytest.mark.parametrize("option", GROUPS["reward"])
 def test_reward_options_build(tmp_path, option, tiny_classifier_dir):
     over = {"tabular": ["experiment=tabular"], "none": ["reward=none"], "vader": ["reward=vader"],
-            "hf_classifier": ["reward=hf_classifier", f"reward.name_or_path={tiny_classifier_dir}"]}[option]
+            "hf_classifier": ["reward=hf_classifier", f"reward.name_or_path={tiny_classifier_dir}"],
+            "answer": ["reward=answer", "dataset=jsonl", f"dataset.train_path={tmp_path}/train.jsonl",
+                       f"dataset.val_path={tmp_path}/val.jsonl", "dataset.answer_field=answer"]}[option]
+    texts = ["a wonderful film", "an awful film", "a film"]
+    prompts = ["p"] * 3
+    if option == "answer":  # prompts with reference answers; the texts answer the first right, the second wrong
+        for split in ("train", "val"):
+            (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": i + 1})
+                                                             + "\n" for i in range(3)))
+        texts, prompts = ["1", "so it is 5", "no idea"], ["0 + 1 =", "1 + 1 =", "2 + 1 ="]
     cfg = compose_cfg(tmp_path, over)
     policy = TabularPolicy.__new__(TabularPolicy)
     if option == "tabular":
         policy = build_policy(cfg.model, 4, cfg.paths.cache)
-    reward = build_reward(cfg.reward, policy)
+    reward = build_reward(cfg.reward, policy, cfg.dataset)
     if option == "none":
         assert reward is None
         return
     if option == "tabular":
         ro = policy.rollout([policy.fixed_prompt], 3)
     else:
-        texts = ["a wonderful film", "an awful film", "a film"]
         ro = Rollout(torch.zeros(3, 1), torch.ones(3, 1), 0, torch.ones(3, 1, dtype=torch.bool), torch.arange(3),
-                     texts, ["p"] * 3)
+                     texts, prompts)
     r = reward(ro)
     assert r.shape == (3,) and torch.isfinite(r).all()
     if option == "vader":
         assert r[0] > 0 > r[1]
+    if option == "answer":
+        assert r.tolist() == [1.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("option", GROUPS["hardware"])

@@ -265,7 +265,7 @@ def test_a_missing_or_unreadable_model_names_its_setting(tmp_path, tiny_arch):
              (["model.name_or_path=nobody-here/no-model"], r"^model\.name_or_path \(tokenizer\): 'nobody-here/no-model' "
                                                           r"not in the local Hugging Face cache and HF_HUB_OFFLINE=1"),
              ([f"model.name_or_path={good}", f"model.ref_name_or_path={tmp_path}/empty"],
-              rf"^model\.ref_name_or_path={tmp_path}/empty could not be loaded as a causal LM and its tokenizer: ")]
+              rf"^model\.ref_name_or_path: the folder {tmp_path}/empty is empty: no config\.json; ")]
     for overrides, message in cases:
         cfg = compose_cfg(tmp_path, ["model=hf", *overrides])
         with pytest.raises(ConfigError, match=message) as e:
@@ -273,5 +273,6 @@ def test_a_missing_or_unreadable_model_names_its_setting(tmp_path, tiny_arch):
         assert "\n" not in str(e.value)
     cfg = compose_cfg(tmp_path, ["task=distill", "reward=none", "estimator.beta=1.0", "model=hf",
                                  f"model.name_or_path={good}", "model@teacher=hf", "teacher.name_or_path=/nonexistent/t"])
-    with pytest.raises(ConfigError, match=r"^teacher\.name_or_path: local path '/nonexistent/t' does not exist$"):
+    with pytest.raises(ConfigError, match=r"^teacher\.name_or_path: local path '/nonexistent/t' does not exist; "
+                                        r"give a folder written by save_pretrained or a hub id \(owner/name\)$"):
         build_policy(cfg.model, 8, teacher=cfg.teacher)

@@ -217,7 +217,7 @@ def bad_model_folders(tmp_path_factory):
 def test_a_model_folder_that_is_not_a_causal_lm_names_the_setting(bad_model_folders, case, says):
     from klbench.models.hf import load_causal_lm
     with pytest.raises(MissingInput, match="model.ref_name_or_path") as e:
-        load_causal_lm(str(bad_model_folders / case), setting="model.ref_name_or_path")
+        load_causal_lm(str(bad_model_folders / case), path_setting="model.ref_name_or_path")
     assert says in str(e.value) and len(str(e.value).splitlines()) == 1 and "sentencepiece" not in str(e.value)
 
 

@@ -110,7 +110,6 @@ def _hf_pairs(name: str, split: str, field: str, words: int | None, limit: int, 
     try:
         import datasets
     except ImportError as e:
-        from klbench.config.errors import ConfigError  # one line at the CLI, with the command that fixes it
         raise ConfigError(f"dataset=hf needs the `datasets` package, which cannot be imported ({e}): "
                           "pip install 'klbench[hf]'") from e
     if os.path.isdir(name):  # a dataset saved with save_to_disk: the offline path

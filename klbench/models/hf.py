@@ -155,7 +155,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", trust_remote_code:
         return _load_causal_lm(name_or_path, dtype, trust_remote_code, attn_implementation, setting,
                                path_setting or "load_causal_lm")
     except FileNotFoundError as e:
-        if path_setting is None:
+        if path_setting is None or isinstance(e, ConfigError):  # MissingInput names the setting already
             raise
         raise ConfigError(str(e).strip().splitlines()[0]) from None  # the rest: transformers' advice for Python
     except (OSError, ValueError) as e:  # a folder transformers cannot read as a causal LM and its tokenizer
