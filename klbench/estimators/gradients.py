@@ -115,7 +115,6 @@ class RB(Estimator):
     """
 
     name = "rb"
-    kappa_gradient = True
     off_policy = True
 
     def compute(self, batch: KLBatch) -> torch.Tensor:
