@@ -152,3 +152,30 @@ def test_entropy_matches_formula(chunk_rows):
     logp = torch.log_softmax(logits.float(), -1)  # [B, T, V]
     expected = torch.where(mask, -(logp.exp() * logp).sum(-1), 0)
     torch.testing.assert_close(exact_token_entropy(logits, mask, chunk_rows), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("V", [11, 60000])  # one block; 17 rows a block (default_chunk_rows), several per sequence
+def test_token_logprob_matches_gather_minus_logsumexp(dtype, V):
+    """The chunked selective log-softmax against autograd's gather - logsumexp: the same forward bits, the same
+    gradient, on a non-contiguous view of the logits (as scoring slices the response positions)."""
+    from klbench.estimators.chunked import token_logprob
+    gen = torch.Generator().manual_seed(0)
+    base = (3 * torch.randn(2, 41, V, generator=gen)).to(dtype)  # [B, T + 1, V]
+    tokens = torch.randint(V, (2, 40), generator=gen)  # [B, T]
+    weight = torch.randn(2, 40, generator=gen, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    outs = []
+    for chunked in (False, True):
+        z = base.clone().requires_grad_()
+        x = z[:, :-1]  # a view: batch stride (T + 1) V
+        if chunked:
+            lp = token_logprob(x, tokens)
+        else:
+            up = x.float() if dtype != torch.float64 else x
+            lp = up.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(up, -1)
+        (grad,) = torch.autograd.grad((lp * weight).sum(), z)
+        outs.append((lp.detach(), grad.float()))
+    assert torch.equal(outs[0][0], outs[1][0])
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(outs[0][1], outs[1][1], atol=tol, rtol=0), float((outs[0][1] - outs[1][1]).abs().max())
+    assert float(outs[1][1].abs().max()) > 0.1  # a real gradient

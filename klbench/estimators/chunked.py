@@ -135,3 +135,45 @@ def exact_token_entropy(logits: torch.Tensor, mask: torch.Tensor, chunk_rows: in
         logp = torch.log_softmax(logits[b, t0:t1].to(acc), -1)  # [c, V]
         out[b, t0:t1] = -(logp.exp() * logp).sum(-1)
     return out
+
+
+def _row_blocks(shape: torch.Size, rows: int) -> list[tuple]:
+    """Index tuples of [B, T, ...] into blocks of <= rows positions, each a view (logits[b, t0:t1]); one block, the
+    whole tensor, when every position fits."""
+    B, T = shape[0], shape[1]
+    if B * T <= rows:
+        return [(slice(None),)]
+    return [(b, slice(t0, min(t0 + rows, T))) for b in range(B) for t0 in range(0, T, rows)]
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """log softmax(logits)[tokens], the log-normaliser computed by row blocks. Forward keeps the [B, T] normaliser;
+    backward writes the one [B, T, V] gradient, softmax's part and the gather's together, block by block. Autograd's
+    own version (gather - logsumexp) holds a [B, T, V] exp in logsumexp's forward and, in backward, logsumexp's
+    [B, T, V] gradient, the gather's zero-filled [B, T, V] scatter and their sum."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, rows):
+        acc = _accum_dtype(logits.dtype)
+        blocks = _row_blocks(logits.shape, rows)
+        lse = torch.empty(logits.shape[:2], dtype=acc, device=logits.device)  # [B, T]
+        for i in blocks:
+            lse[i] = torch.logsumexp(logits[i].to(acc), -1)
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.blocks = blocks
+        return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(acc) - lse  # [B, T]
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, tokens, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # [B, T, V]
+        for i in ctx.blocks:  # -g softmax(logits), in place on one [rows, V] working block
+            grad[i] = (logits[i].to(lse.dtype) - lse[i].unsqueeze(-1)).exp_().mul_(-g[i].unsqueeze(-1))
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), g.unsqueeze(-1).to(grad.dtype))  # + g at the sampled token
+        return grad, None, None
+
+
+def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T] log softmax(logits)[tokens] in float32 (float64 stays), differentiable in logits, with no [B, T, V]
+    tensor beyond the logits and their gradient (a row block of `default_chunk_rows` at a time). tokens: [B, T]."""
+    return _TokenLogprob.apply(logits, tokens, default_chunk_rows(logits.shape[-1], logits.device))

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from klbench.estimators.batch import KLBatch
+from klbench.estimators.chunked import token_logprob
 
 KL_TARGETS = {
     "sampler": "KL(pi_s || pi_ref,T): the sampler's distribution against the reference at its temperature",
@@ -144,13 +145,6 @@ def target_pair(logits: torch.Tensor, ref_logits: torch.Tensor, sampling: Sampli
     if target == "sampler" and sampling.truncates:  # the policy as sampled; the reference keeps its whole vocabulary
         pol = pol.masked_fill(~sampling.keep(logits), excluded(pol.dtype))  # the cut held fixed: piecewise constant
     return pol, ref
-
-
-def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, T] log softmax(logits)[tokens] in float32 (float64 stays), without keeping a [B, T, V] log_softmax
-    for backward. tokens: [B, T]."""
-    x = logits.float() if logits.dtype != torch.float64 else logits
-    return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, -1)
 
 
 def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
