@@ -179,3 +179,29 @@ def test_token_logprob_matches_gather_minus_logsumexp(dtype, V):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     assert torch.allclose(outs[0][1], outs[1][1], atol=tol, rtol=0), float((outs[0][1] - outs[1][1]).abs().max())
     assert float(outs[1][1].abs().max()) > 0.1  # a real gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("V", [11, 60000])
+def test_token_scores_is_token_logprob_and_exact_token_kl_in_one(dtype, V):
+    """token_scores' log-probs and kappa are token_logprob's and exact_token_kl's bit for bit, and its one
+    gradient is the sum of theirs, for any weights on the two outputs and with a padding tail."""
+    from klbench.estimators.chunked import token_logprob, token_scores
+    gen = torch.Generator().manual_seed(1)
+    base = (3 * torch.randn(2, 41, V, generator=gen)).to(dtype)  # [B, T + 1, V]
+    ref = (3 * torch.randn(2, 40, V, generator=gen)).to(dtype)  # [B, T, V]
+    tokens = torch.randint(V, (2, 40), generator=gen)
+    mask = torch.arange(40).unsqueeze(0) < torch.tensor([[40], [27]])  # [B, T]
+    w_logp, w_kappa = (torch.randn(2, 40, generator=gen, dtype=dtype) for _ in range(2))
+    outs = []
+    for fused in (False, True):
+        z = base.clone().requires_grad_()
+        x = z[:, :-1]
+        logp, kappa = token_scores(x, ref, tokens, mask) if fused else \
+            (token_logprob(x, tokens), exact_token_kl(x, ref, mask))
+        (grad,) = torch.autograd.grad((logp * w_logp).sum() + (kappa * w_kappa).sum(), z)
+        outs.append((logp.detach(), kappa.detach(), grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(outs[0][2], outs[1][2], atol=tol, rtol=0), float((outs[0][2] - outs[1][2]).abs().max())
+    assert float(outs[1][1][1, 27:].abs().max()) == 0  # kappa is 0 on the padding tail

@@ -42,6 +42,9 @@ class Estimator:
     # whether samples from a behaviour policy pi_old != pi (KLBatch.old_logp) are corrected for; see
     # supports_off_policy(), which options may refine
     off_policy: ClassVar[bool] = False
+    # whether the surrogate differentiates the exact per-position KL kappa_t (KLBatch.kappa): a scorer then builds
+    # it with the log-probs in one pass, one [B, T, V] gradient for both (klbench.estimators.chunked.token_scores)
+    kappa_gradient: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.defaults))

@@ -115,6 +115,7 @@ class RB(Estimator):
     """
 
     name = "rb"
+    kappa_gradient = True
     off_policy = True
 
     def compute(self, batch: KLBatch) -> torch.Tensor:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from klbench.estimators.batch import KLBatch
-from klbench.estimators.chunked import token_logprob
+from klbench.estimators.chunked import token_logprob, token_scores
 
 KL_TARGETS = {
     "sampler": "KL(pi_s || pi_ref,T): the sampler's distribution against the reference at its temperature",
@@ -149,19 +149,28 @@ def target_pair(logits: torch.Tensor, ref_logits: torch.Tensor, sampling: Sampli
 
 def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
                  sampling: Sampling, target: str, group: torch.Tensor | None = None,
-                 behaviour_logp: torch.Tensor | None = None, chunk_rows: int | None = None) -> KLBatch:
+                 behaviour_logp: torch.Tensor | None = None, chunk_rows: int | None = None,
+                 kappa: bool = False) -> KLBatch:
     """The KLBatch of `target` for responses `tokens` [B, T] drawn by `sampling` from `logits` [B, T, V].
 
     target=model (sampling not plain): old_logp = log pi_s(y), from `behaviour_logp` [B, T] when the sampler
     kept its own log-probs (then the off-policy estimators also correct for any gap between the sampler's and
     the scorer's arithmetic), else from these logits.
+    kappa: also the exact per-position KL (KLBatch.token_kl), with logp in one pass (token_scores), for an
+    estimator that differentiates it (Estimator.kappa_gradient); else KLBatch.kappa computes it on first use.
     """
     check_target(sampling, target)
     pol, ref = target_pair(logits, ref_logits, sampling, target)
-    logp, ref_logp = token_logprob(pol, tokens), token_logprob(ref, tokens)
+    token_kl = None
+    if kappa:
+        logp, token_kl = token_scores(pol, ref, tokens, mask)
+    else:
+        logp = token_logprob(pol, tokens)
+    ref_logp = token_logprob(ref, tokens)
     old = None
     if target == "model" and not sampling.is_plain:
         old = behaviour_logp if behaviour_logp is not None else \
             token_logprob(sampling.process(logits.detach()), tokens)
         old = torch.where(mask, old.to(logp.dtype), logp.detach())  # padding: any finite value that says on-policy
-    return KLBatch(logp, ref_logp, mask, pol, ref, group=group, chunk_rows=chunk_rows, old_logp=old)
+    return KLBatch(logp, ref_logp, mask, pol, ref, group=group, chunk_rows=chunk_rows, old_logp=old,
+                   token_kl=token_kl)

@@ -100,11 +100,13 @@ class Policy(nn.Module):
         """n samples y ~ pi_s per prompt (ancestral; pi itself at plain sampling)."""
         raise NotImplementedError
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None) -> KLBatch:
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
         """The KL target's batch of a rollout's responses (klbench.estimators.sampling.target_batch): the log-probs
         and logits of the two distributions it compares; old_logp = log pi_s for kl_target=model.
         micro_batch_size (task.micro_batch_size; language models): a ScoredBatch built that many sequences at a
-        time, whose gradient is the whole batch's (LMPolicy.score)."""
+        time, whose gradient is the whole batch's (LMPolicy.score).
+        kappa: the exact per-position KL is needed (with its gradient, Estimator.kappa_gradient): a language model
+        scores it with the log-probs in one pass; the batch's values are the same either way."""
         raise NotImplementedError
 
     def sampler_logp(self, ro: Rollout, batch: KLBatch) -> torch.Tensor:
@@ -227,9 +229,9 @@ class LMPolicy(Policy):
                            logits_to_keep=L + 1, use_cache=False).logits
         return logits[:, -(L + 1): -1]
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None) -> KLBatch:
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
         if micro_batch_size is None or micro_batch_size >= ro.tokens.shape[0]:
-            return self._score(ro)
+            return self._score(ro, kappa)
         # task.micro_batch_size. Each micro-batch's forward runs under torch.utils.checkpoint and keeps only
         # per-position [m, T] reductions of its logits (log-probs, the exact KL, the entropy); backward runs it
         # again, one micro-batch at a time. So no more than one micro-batch's activations and [m, T, V] logits
@@ -246,13 +248,13 @@ class LMPolicy(Policy):
 
     def _reduced(self, ro: Rollout) -> tuple:
         """One micro-batch's (logp, ref_logp, old_logp, token_kl, sampler_logp, entropy), each [m, T] or None."""
-        batch = self._score(ro)
+        batch = self._score(ro, kappa=True)
         slogp = self.sampler_logp(ro, batch)
         with torch.no_grad():
             ent = exact_token_entropy(batch.logits, batch.mask, batch.chunk_rows)
         return batch.logp, batch.ref_logp, batch.old_logp, batch.kappa, None if slogp is batch.logp else slogp, ent
 
-    def _score(self, ro: Rollout) -> KLBatch:
+    def _score(self, ro: Rollout, kappa: bool = False) -> KLBatch:
         # left padding: positions count real tokens only, as the sampler did; once for both models
         pos = position_ids_from_mask(ro.attention)  # [B, P + L]
         mask = sdpa_mask(ro.attention)  # [B, 1, P + L, P + L] or None: for a plain GPT-2 (gpt2_score.py)
@@ -263,7 +265,7 @@ class LMPolicy(Policy):
         resp = ro.tokens[:, ro.prompt_len:]  # [B, L]
         # at plain sampling the logits pass through untouched: the batch of a T = 1 run, as before
         return target_batch(logits, ref_logits, resp, ro.mask, self.sampling, self.kl_target, group=ro.group,
-                            behaviour_logp=ro.sample_logp)
+                            behaviour_logp=ro.sample_logp, kappa=kappa)
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -337,8 +339,9 @@ class TabularPolicy(Policy):
         group = torch.arange(len(prompts)).repeat_interleave(n)
         return Rollout(tokens, mask.long(), 0, mask, group, texts, [p for p in prompts for _ in range(n)], ids)
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None) -> KLBatch:
-        # micro_batch_size: the schema refuses it here (the table is the whole model: nothing to save)
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
+        # micro_batch_size: the schema refuses it here (the table is the whole model: nothing to save); kappa
+        # is computed on first use from the [B, T, K] table logits, which exist whole already
         batch = self.table.batch(self.theta, ro.seq_ids, group=ro.group, sampling=self._sampled,
                                  target=self.kl_target)
         # the exact per-position KL in one block: its [B, T, K] logits exist whole already, and the default

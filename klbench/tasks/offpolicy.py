@@ -61,7 +61,7 @@ def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
     i = step % k
     if i == 0:
         ro = task.policy.rollout(prompts, task.cfg["n_samples"])
-        batch = task.policy.score(ro, task.micro_batch_size)
+        batch = task.policy.score(ro, task.micro_batch_size, task.kappa)
         reward = task.rewards(ro)  # [B]
         # the behaviour policy is the sampler's: log pi_s,old; for kl_target=model the batch carries it already
         old = batch.old_logp if batch.old_logp is not None else batch.logp.detach()
@@ -72,7 +72,7 @@ def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
         if task.cached_rollout is None:
             raise RuntimeError(f"step {step} is step {i} of a rollout, but no rollout is cached: a checkpoint off a "
                                f"rollout boundary? task.val_every and task.max_steps must be multiples of {k}")
-        batch = task.policy.score(task.cached_rollout.ro, task.micro_batch_size)
+        batch = task.policy.score(task.cached_rollout.ro, task.micro_batch_size, task.kappa)
         slogp = task.policy.sampler_logp(task.cached_rollout.ro, batch)
     c = task.cached_rollout
     loss_reward, stats = ppo_reward_loss(slogp, c.old_sampler_logp, batch.mask, c.adv, float(task.cfg["clip_eps"]),

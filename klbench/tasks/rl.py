@@ -66,7 +66,7 @@ class RLTask(pl.LightningModule):
         if self.cfg.get("inner_steps", 1) > 1:  # several optimiser steps per rollout: klbench/tasks/offpolicy.py
             return off_policy_step(self, prompts)
         ro = self.policy.rollout(prompts, self.cfg["n_samples"])
-        batch = self.policy.score(ro, self.micro_batch_size)
+        batch = self.policy.score(ro, self.micro_batch_size, self.kappa)
         reward = self.rewards(ro)  # [B]
         slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
         slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
@@ -82,6 +82,11 @@ class RLTask(pl.LightningModule):
     def micro_batch_size(self) -> int | None:
         """task.micro_batch_size: sequences scored at once (klbench.models.policies.LMPolicy.score); None: all."""
         return self.cfg.get("micro_batch_size")
+
+    @property
+    def kappa(self) -> bool:
+        """Whether the loss differentiates the exact per-position KL (rb): the policy scores it with the log-probs."""
+        return getattr(self.estimator, "kappa_gradient", False)
 
     @property
     def loss_agg(self) -> tuple[str, int]:
@@ -209,7 +214,8 @@ class RLTask(pl.LightningModule):
             # rb needs y ~ pi, so the KL is measured on a second draw from pi itself (the same stream, after)
             target = self.policy.on_target()
             ro_kl = ro if target is self.policy else target.rollout(prompts, self.cfg["val_samples"])
-        batch = target.score(ro_kl, self.micro_batch_size)  # the view scores its own draws: y ~ pi, an on-policy batch of the target
+        # the view scores its own draws: y ~ pi, an on-policy batch of the target; kappa for rb's val/seq_kl
+        batch = target.score(ro_kl, self.micro_batch_size, kappa=True)
         reward = self.rewards(ro)
         seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
         judged = {k: v.tolist() for k, v in self.judged(ro).items()}
