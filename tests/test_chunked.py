@@ -179,6 +179,8 @@ def test_token_logprob_matches_gather_minus_logsumexp(dtype, V):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     assert torch.allclose(outs[0][1], outs[1][1], atol=tol, rtol=0), float((outs[0][1] - outs[1][1]).abs().max())
     assert float(outs[1][1].abs().max()) > 0.1  # a real gradient
+    one = token_logprob(base[0, :-1], tokens[0])  # [T, V] and [T]: one sequence, as callers pass it
+    assert torch.equal(one, outs[1][0][0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -175,7 +175,11 @@ class _TokenLogprob(torch.autograd.Function):
 
 def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """[B, T] log softmax(logits)[tokens] in float32 (float64 stays), differentiable in logits, with no [B, T, V]
-    tensor beyond the logits and their gradient (a row block of `default_chunk_rows` at a time). tokens: [B, T]."""
+    tensor beyond the logits and their gradient (a row block of `default_chunk_rows` at a time). tokens: [B, T];
+    any other leading shape [..., V] with tokens [...] is taken as one sequence."""
+    if logits.dim() != 3:
+        flat = token_logprob(logits.reshape(1, -1, logits.shape[-1]), tokens.reshape(1, -1))  # [1, N]
+        return flat.reshape(tokens.shape)
     return _TokenLogprob.apply(logits, tokens, default_chunk_rows(logits.shape[-1], logits.device))
 
 
