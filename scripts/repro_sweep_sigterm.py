@@ -6,21 +6,35 @@ On 2026-11-27 the second of three attempts failed: `parent.stop`'s INSERT INTO t
 SQLite sessions wait 20 s on a lock), and Hydra turned it into a warning. Prints each
 attempt's exit code, time to exit and parent status, and the stderr of the first failure.
 """
-import os, signal, subprocess, sys, time, tempfile
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
+
+from mlflow import MlflowClient
+
+KLBENCH = os.path.join(os.path.dirname(sys.executable), "klbench")
+
 for attempt in range(3):
-    d = Path(tempfile.mkdtemp()); out, sw = d/"outputs", d/"sweep"
-    env = {**os.environ, "KLBENCH_OUTPUTS": str(out), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "klbench"), "-m", "sweep=rl_beta", "experiment=tabular", "task.val_every=20",
-        "task.max_steps=300", "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sw}"], env=env, cwd=d,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not (sw/"1"/"mlflow_run_id.txt").exists():
+    root = Path(tempfile.mkdtemp())
+    outputs, sweep = root / "outputs", root / "sweep"
+    env = {**os.environ, "KLBENCH_OUTPUTS": str(outputs), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([KLBENCH, "-m", "sweep=rl_beta", "experiment=tabular", "task.val_every=20",
+                             "task.max_steps=300", "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep}"],
+                            env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (sweep / "1" / "mlflow_run_id.txt").exists():  # trial 1 has just started
         time.sleep(0.01)
-    p.send_signal(signal.SIGTERM); t = time.time()
-    o, e = p.communicate(timeout=200)
-    from mlflow import MlflowClient
-    c = MlflowClient(f"sqlite:///{out}/mlflow.db")
-    st = c.get_run((sw/"mlflow_parent_run_id.txt").read_text().strip()).info.status
-    print(attempt, "rc", p.returncode, "after", round(time.time()-t,1), "s parent", st, flush=True)
-    if st != "KILLED":
-        print("STDERR:", e[-3000:]); break
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    _, err = proc.communicate(timeout=200)
+    parent = (sweep / "mlflow_parent_run_id.txt").read_text().strip()
+    status = MlflowClient(f"sqlite:///{outputs}/mlflow.db").get_run(parent).info.status
+    print(f"attempt {attempt}: exit {proc.returncode} after {time.time() - sent:.1f} s, parent {status}", flush=True)
+    if status != "KILLED":
+        print("stderr:", err[-3000:])
+        break

@@ -43,7 +43,7 @@ class Estimator:
     # supports_off_policy(), which options may refine
     off_policy: ClassVar[bool] = False
     # whether the surrogate differentiates the exact per-position KL kappa_t (KLBatch.kappa): a scorer then builds
-    # it with the log-probs in one pass, one [B, T, V] gradient for both (klbench.estimators.chunked.token_scores)
+    # it with the log-probs in one pass (klbench.estimators.chunked.token_scores: one softmax, one gradient)
     kappa_gradient: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
