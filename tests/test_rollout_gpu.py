@@ -91,11 +91,18 @@ def test_same_tokens_as_generate_on_cuda(which, precision, fused, request):
 @pytest.mark.parametrize("case", ["padded", "unpadded", "ended"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_fused_scoring_gives_the_forward_bits_on_cuda(precision, case, gpt2_dir):
-    """klbench/models/gpt2_score.py on CUDA: the forward's logits and gradients, bit for bit, in each precision."""
+    """klbench/models/gpt2_score.py on CUDA: the forward's logits bit for bit in each precision; its gradients bit
+    for bit with bfloat16 weights, and to float32 rounding with float32 weights (on an H200, 2026-11-27: at most
+    2.7e-7 of each gradient's largest entry; each path alone gives the same bits run after run, with or without
+    deterministic algorithms: CUDA's float32 backward sums in another order, where the CPU's gives the same bits)."""
     model, _, ctx = _load(gpt2_dir, precision)
     (a, grads_a), (b, grads_b) = _scored_both_ways(model, case, ctx)
     assert a.is_cuda and torch.equal(a, b)
-    assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
+    if precision == "bfloat16":
+        assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
+    else:
+        worst = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(grads_a, grads_b))
+        assert worst < 1e-6, worst
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import mlflow
 import optuna
 import pytest
 
-from klbench.record import runs
+from klbench.record import interrupts, runs
 from test_sweeps import cli_env
 
 LONG_RUN = ["experiment=tabular", "task.val_every=20", "task.max_steps=20000"]
@@ -122,6 +123,76 @@ def test_an_interrupted_sweep_ends_killed_and_leaves_no_trial_running(tmp_path, 
     assert (f"klbench: stopped       by {NAMES[sig]} after {len(complete)} of 4 trials finished; to finish it, "
             f"run the same command again: klbench ") in out, out[-3000:]
 
+
+def _interrupted_mid_write(db: Path) -> None:
+    """What a signal inside one of MLflow's writes can leave (how the test above failed under load, about 1 run
+    in 3): SQLAlchemy closes the connection the interrupt went through, but SQLite keeps a closed connection
+    alive, with its write lock, while one of its statements is still pending, here in this frame's `pending`."""
+    con = sqlite3.connect(db, isolation_level=None)
+    con.execute("BEGIN IMMEDIATE")  # the write lock
+    pending = con.execute("SELECT run_uuid FROM runs")  # noqa: F841  a statement not run to its end
+    con.close()
+    raise interrupts.Terminated()
+
+
+@pytest.mark.parametrize("what", ["run", "sweep"])
+def test_the_killed_mark_is_not_blocked_by_the_write_the_signal_interrupted(tmp_path, what):
+    """A run's or a sweep's KILLED mark is written after the interrupted write's objects are freed: without that,
+    it waited on this very process for the store's 20 s and failed, leaving the run RUNNING."""
+    from mlflow import MlflowClient
+    from omegaconf import OmegaConf
+
+    from klbench.record.lifecycle import recorded
+    from klbench.record.tracking import RecordLogger
+    from klbench.sweep.callback import SweepTracking
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    start = time.monotonic()
+    with pytest.raises(interrupts.Stopped):
+        if what == "run":
+            with recorded(RecordLogger(client, run_id)):
+                _interrupted_mid_write(tmp_path / "mlflow.db")
+        else:
+            sweep = SweepTracking()
+            sweep.parent_run_id, sweep.tracking_uri = run_id, client.tracking_uri
+            try:
+                _interrupted_mid_write(tmp_path / "mlflow.db")
+            finally:  # as Hydra calls it: while the interrupt is being raised
+                sweep.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}}))
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert time.monotonic() - start < 10, "the mark waited on a lock"
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_inside_a_store_write_waits_for_the_write(tmp_path, sig):
+    """A real signal delivered while MLflow's SQLAlchemy code writes: klbench's handler lets the write finish
+    and raises a moment later (before, it raised inside it, and the tag was lost with the write lock held)."""
+    from mlflow import MlflowClient
+    from sqlalchemy import event
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    engine = client._tracking_client.store.engine
+
+    def signal_now(conn, cursor, statement, *args):
+        if statement.startswith("INSERT INTO tags"):
+            signal.raise_signal(sig)  # the handler runs here, inside SQLAlchemy's execute
+
+    old = {s: signal.getsignal(s) for s in interrupts.NAMES}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    interrupts.install()
+    event.listen(engine, "before_cursor_execute", signal_now)
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            client.set_tag(run_id, "written", "yes")
+            time.sleep(5)  # where the signal, sent again, lands
+    finally:
+        event.remove(engine, "before_cursor_execute", signal_now)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    assert stopped.traceback[-2].path == Path(__file__), "raised inside the write"  # [-1]: the handler
+    assert client.get_run(run_id).data.tags["written"] == "yes"
+    client.set_terminated(run_id, "KILLED")  # nothing of the write holds the store
+    assert client.get_run(run_id).info.status == "KILLED"
 
 def sweep_args(sweep_dir: Path, *extra: str) -> list[str]:
     return ["-m", "sweep=rl_beta", "experiment=tabular", "task.val_every=20", "estimator=seq",

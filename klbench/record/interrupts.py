@@ -8,16 +8,27 @@ start): it notes the signal, and raises where nobody else will (outside Lightnin
 Lightning's own SIGTERM handler runs first and calls this one, which then only notes it: the training
 stops at the next step boundary, as Lightning intends, not in the middle of a checkpoint or database write.
 
-No torch, Lightning, MLflow or Hydra here: installed before they are imported.
+Nor is it raised inside a database write (MLflow's or Optuna's): the signal comes again a moment later,
+once the write is done (`_defer`). No torch, Lightning, MLflow or Hydra here: installed before they are imported.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
+import time
 
 NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 received: int | None = None  # the first SIGINT or SIGTERM this process got
 _early = False  # installed by the command before Hydra has called klbench's main: nothing to end yet
+# A raise inside a database write can leave SQLite's write lock held by a closed connection (release()
+# below): the handler never raises inside these packages, but sends the signal again DEFER_S later, for at
+# most DEFER_MAX_S (a store that hangs must not make Ctrl-C hang too)
+STORE_CODE = tuple(os.sep + p + os.sep for p in ("sqlalchemy", "sqlite3", "alembic", os.path.join("mlflow", "store"),
+                                                 os.path.join("optuna", "storages")))
+DEFER_S, DEFER_MAX_S = 0.05, 5.0
+_deferred_since: float | None = None
 
 
 class Terminated(KeyboardInterrupt):
@@ -39,7 +50,6 @@ def install(early: bool = False) -> None:
     idempotent). Another handler is left as it is: submitit's in a SLURM trial, which lets SIGTERM pass so
     that its USR2 requeue works (docs/scale-out.md), and SIG_IGN, which `nohup` and the background jobs of a
     script start with."""
-    import threading
     global _early
     _early = early
     if threading.current_thread() is not threading.main_thread():
@@ -50,7 +60,7 @@ def install(early: bool = False) -> None:
 
 
 def _handler(signum: int, frame) -> None:
-    global received
+    global received, _deferred_since
     if received is None:
         received = signum
     if signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is not _handler:
@@ -58,7 +68,31 @@ def _handler(signum: int, frame) -> None:
     if _early:  # Hydra is still loading or composing the config: no run folder, nothing recorded
         print(f"klbench: stopped by {name(signum)} while starting: nothing was run or recorded", file=sys.stderr)
         raise Stopped(signum)
+    if _in_store_write(frame) and _defer(signum):
+        return
+    _deferred_since = None
     raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
+def _in_store_write(frame) -> bool:
+    while frame is not None:
+        if any(p in frame.f_code.co_filename for p in STORE_CODE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _defer(signum: int) -> bool:
+    """Sends `signum` to this process again in DEFER_S; False once it has been put off for DEFER_MAX_S."""
+    global _deferred_since
+    now = time.monotonic()
+    _deferred_since = _deferred_since or now
+    if now - _deferred_since > DEFER_MAX_S:
+        return False
+    again = threading.Timer(DEFER_S, os.kill, (os.getpid(), signum))
+    again.daemon = True  # never holds up the process's exit
+    again.start()
+    return True
 
 
 def signal_of(e: BaseException | None) -> int | None:
@@ -74,6 +108,22 @@ def signal_of(e: BaseException | None) -> int | None:
         if isinstance(e, SIGTERMException):  # SIGTERM reached Lightning without klbench's handler
             return signal.SIGTERM
     return None
+
+
+def release(e: BaseException) -> None:
+    """Frees what the interrupted code still holds through `e`'s traceback (and the exceptions chained to it),
+    before the run or sweep is marked KILLED. An interrupt raised inside a store write leaves that write's
+    cursor in a frame of the traceback. SQLAlchemy closes the interrupted connection, but SQLite keeps a closed
+    connection alive, with its write lock, until its statements are freed: the KILLED mark then waited on its
+    own process for MLflow's 20 s and failed with 'database is locked' (issue 34, under load)."""
+    import gc
+    import traceback
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # frames still executing (the caller's) are left as they are
+        e = e.__cause__ or e.__context__
+    gc.collect()  # the cursor and its statement may sit in a reference cycle
 
 
 def name(signum: int) -> str:

@@ -85,6 +85,7 @@ def recorded(logger):
     except BaseException as e:  # KeyboardInterrupt, SystemExit (SIGTERM, a requeue): it may resume
         sig = interrupts.signal_of(e)
         why = f"interrupted: {interrupts.name(sig)}" if sig else f"interrupted: {type(e).__name__} {e}".strip()
+        interrupts.release(e)
         marked = _end_quietly(logger, "KILLED", why, commit=False)
         if sig:  # the CLI says where the run is and how to resume it, and exits 128 + sig
             raise interrupts.Stopped(sig, logger.run_id, marked) from e

@@ -94,7 +94,8 @@ class SweepTracking(Callback):
     def _end(self, config: DictConfig) -> None:
         sweep_dir = Path(config.hydra.sweep.dir).resolve()
         # Hydra calls this in a `finally`: what ends the sweep is the exception being handled, if any
-        if (sig := interrupts.signal_of(sys.exc_info()[1])) is not None:
+        if (sig := interrupts.signal_of(stop := sys.exc_info()[1])) is not None:
+            interrupts.release(stop)
             self._stopped(config, sweep_dir, sig)
             raise interrupts.Stopped(sig)  # exit status 128 + sig, and no traceback
         parent.print_pareto_trials(sweep_dir, list(config.get("optimized_metrics") or ()))
