@@ -95,6 +95,14 @@ def _defer(signum: int) -> bool:
     return True
 
 
+def raise_noted() -> None:
+    """Raises the interrupt for a signal this process noted and nobody acted on: Lightning lets a SIGTERM pass
+    once a run's last step is done (its final validation, its checkpoint), and the run ends FINISHED. Called where
+    a sweep would start its next trial in this process (basic launcher), so the sweep stops there."""
+    if received is not None:
+        raise KeyboardInterrupt() if received == signal.SIGINT else Terminated()
+
+
 def signal_of(e: BaseException | None) -> int | None:
     """The signal that `e` stands for, or None when `e` is no interrupt (an error, a sys.exit of klbench's)."""
     if isinstance(e, Stopped):

@@ -137,6 +137,7 @@ class SweepTracking(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:
             return
+        interrupts.raise_noted()  # a signal the last trial's training let pass: the sweep stops, not goes on
         trial.start(config)
         if os.environ.get("SUBMITIT_EXECUTOR"):
             signals.requeue_outside_database()

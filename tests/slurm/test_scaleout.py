@@ -129,6 +129,7 @@ def test_sweep_runs_as_array_jobs(slurm_cluster, tmp_path):
 
 # ---- 2 and 3. preemption and time limits: requeued, resumed, nothing logged twice ----
 
+@pytest.mark.slow  # 110 s on the 2-core CI VM: the default set keeps to about 10 minutes (docs/testing.md)
 def test_preempted_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     out = tmp_path / "outputs"
     steps, every = 3000, 500
@@ -196,6 +197,7 @@ def test_trial_over_its_time_limit_is_requeued_until_done(slurm_cluster, tmp_pat
 
 # ---- 4. the sweep process dies ----
 
+@pytest.mark.slow  # 97 and 111 s on the 2-core CI VM (docs/testing.md)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
 def test_rerun_after_the_sweep_process_is_killed(slurm_cluster, tmp_path, sig):
     """kill -9 (or SIGTERM: scancel of a sweep run as a job, docker stop) of the process that waits on the

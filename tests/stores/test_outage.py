@@ -136,6 +136,7 @@ def test_rerun_after_a_longer_outage_adopts_the_trained_trials(postgres_url, pos
     _check_record(postgres_url, client, name, out)
 
 
+@pytest.mark.slow  # 53 s on the 2-core CI VM (docs/testing.md)
 def test_quick_restart_fails_no_trained_trial(postgres_url, postgres_ctl, mlflow_server, tmp_path):
     """A 2 s restart while the first batch trains: the sweeper's pooled connections are stale when it
     tells Optuna the results, and no trained trial may be marked FAIL for that."""

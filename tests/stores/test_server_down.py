@@ -19,6 +19,7 @@ from test_record import env_for
 pytestmark = pytest.mark.servers
 
 
+@pytest.mark.slow  # 77 s on the 2-core CI VM (docs/testing.md)
 def test_run_outlives_its_server_then_resumes(own_mlflow_server, tmp_path):
     server = own_mlflow_server
     # spaces, quotes, backslashes (one at the end), non-ASCII: the printed command must still paste

@@ -94,11 +94,14 @@ def corpus_texts(spec: dict, n: int, seed: int) -> list[str]:
     return generate_reviews(n, seed=seed, positive_fraction=spec["positive_fraction"])
 
 
-def pretrain(spec, out_dir: str, progress: bool = True, tokenizer=None, num_threads: int | None = 1) -> dict:
+def pretrain(spec, out_dir: str, progress: bool = True, tokenizer=None, num_threads: int | None = 1,
+             model=None) -> dict:
     """Pretrain an embedded GPT-2 described by `spec` (see klbench.models.embedded.spec) and save it to out_dir.
 
     tokenizer: the shared embedded tokenizer; when None one is trained from
     tokenizer_spec(spec), identical to the one ensure_embedded_lm caches.
+    model: a freshly initialised causal LM to pretrain instead of the spec's GPT-2 (scripts/bench_trl_peer.py's
+    Llama); the spec still gives the data, the schedule and vocab_size.
     num_threads: torch intra-op threads while training (restored afterwards).
     The matrices here are tiny, so 1 thread loses little on an idle machine and
     is much faster than 2 on a busy one (docs/embedded.md); results
@@ -109,12 +112,12 @@ def pretrain(spec, out_dir: str, progress: bool = True, tokenizer=None, num_thre
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
-        return _pretrain(complete_spec(spec), out_dir, progress, tokenizer)
+        return _pretrain(complete_spec(spec), out_dir, progress, tokenizer, model)
     finally:
         torch.set_num_threads(previous)
 
 
-def _pretrain(spec: dict, out_dir: str, progress: bool, tokenizer) -> dict:
+def _pretrain(spec: dict, out_dir: str, progress: bool, tokenizer, model=None) -> dict:
     t0 = time.time()
     if tokenizer is None:
         ts = tokenizer_spec(spec)
@@ -135,9 +138,10 @@ def _pretrain(spec: dict, out_dir: str, progress: bool, tokenizer) -> dict:
                         collate_fn=lambda b: collate(b, pad_id),
                         generator=torch.Generator().manual_seed(spec["seed"]))
 
-    model = build_gpt2(spec["vocab_size"], spec["n_embd"], spec["n_layer"], spec["n_head"], spec["n_positions"],
-                       spec["seed"], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=pad_id)
+    if model is None:
+        model = build_gpt2(spec["vocab_size"], spec["n_embd"], spec["n_layer"], spec["n_head"], spec["n_positions"],
+                           spec["seed"], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=pad_id)
     module = CausalLMPretrain(model, lr=spec["lr"], steps=spec["steps"], warmup=max(1, spec["steps"] // 20))
     from klbench.console import messages as console
     from klbench.console.progress import StepLines, StepProgressBar, wanted
