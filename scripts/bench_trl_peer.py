@@ -3,11 +3,14 @@
     python scripts/bench_trl_peer.py [--pairs 3] [--steps 50] [--work outputs/.bench] [--trl-python PATH]
     python scripts/bench_trl_peer.py --pairs 1 --steps 5          # a quick check that both sides run
     python scripts/bench_trl_peer.py --floor                      # and klbench's floor beside each pair
+    python scripts/bench_trl_peer.py --arch llama                 # the same job on a RoPE/RMSNorm/GQA model
 
 The job (issue 22), the same on both sides:
 - a tiny GPT-2 (2 layers, 4 heads, 128 wide, byte-level BPE vocabulary 2,000), built offline once with klbench's
   embedded pipeline (klbench/models/embedded: the BPE trained on generated reviews and VADER's lexicon,
   `--pretrain-steps` of next-token pretraining on reviews, save_pretrained); both sides load that folder;
+  `--arch llama`: a Llama of the same size instead (RoPE, RMSNorm, SwiGLU MLP 512 wide, 4 query and 2 KV heads,
+  tied embeddings), the same tokenizer and pretraining; klbench scores it through transformers' forward;
 - 64 review openings (klbench's embedded train prompts) in a jsonl file; VADER compound score of the response;
   klbench validates on its embedded held-out prompts (another jsonl file), which TRL does not use;
 - 8 prompts x 4 samples x 32 new tokens per step, temperature 1, no top-k/top-p; fp32, CPU;
@@ -127,16 +130,31 @@ def lexicon_words() -> list[str]:
         return [line.split("\t", 1)[0] for line in f if line.strip()]
 
 
-def build_model(work: Path, pretrain_steps: int) -> str:
-    """The job's tiny GPT-2 as a save_pretrained folder under <work>, built once: a 2,000-token BPE on klbench's
-    tokenizer corpus plus VADER's lexicon, then klbench's embedded pretraining on generated reviews."""
+def llama_like(spec: dict, tok):
+    """A fresh Llama of MODEL_SPEC's size: GQA (2 KV heads), RoPE, RMSNorm, SwiGLU, tied embeddings as GPT-2's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=spec["vocab_size"], hidden_size=spec["n_embd"], intermediate_size=4 * spec["n_embd"],
+                         num_hidden_layers=spec["n_layer"], num_attention_heads=spec["n_head"], num_key_value_heads=2,
+                         max_position_embeddings=spec["n_positions"], tie_word_embeddings=True,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec["seed"])
+        return LlamaForCausalLM(config)
+
+
+def build_model(work: Path, pretrain_steps: int, arch: str) -> str:
+    """The job's tiny GPT-2 (or Llama) as a save_pretrained folder under <work>, built once: a 2,000-token BPE on
+    klbench's tokenizer corpus plus VADER's lexicon, then klbench's embedded pretraining on generated reviews."""
     from klbench.models.embedded.build import train_tokenizer
     from klbench.models.embedded.cache import build_cached
     from klbench.models.embedded.corpus import generate_reviews
     from klbench.models.embedded.spec import DEFAULT_TOKENIZER_SPEC, complete_spec, spec_hash
 
     spec = complete_spec({**MODEL_SPEC, "steps": pretrain_steps})
-    final = work / f"model-{spec['name']}-{spec_hash(spec)}"
+    final = work / f"model-{spec['name']}-{spec_hash(spec)}" if arch == "gpt2" else \
+        work / f"model-peer-{arch}-{spec_hash(spec)}"
 
     def build(tmp: str) -> None:
         from klbench.models.embedded.pretrain import pretrain  # Lightning: only when a build runs
@@ -146,10 +164,14 @@ def build_model(work: Path, pretrain_steps: int) -> str:
         tok = train_tokenizer(reviews + lexicon_words(), spec["vocab_size"])
         if len(tok) != spec["vocab_size"]:
             raise ValueError(f"the BPE reached {len(tok)} tokens, not {spec['vocab_size']}: too little text")
-        metrics = pretrain(spec, tmp, progress=False, tokenizer=tok)
+        metrics = pretrain(spec, tmp, progress=False, tokenizer=tok,
+                           model=llama_like(spec, tok) if arch == "llama" else None)
         (Path(tmp) / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=2))
 
-    build_cached(str(final), build, what=f"the peer benchmark's GPT-2 ({pretrain_steps} pretraining steps)")
+    if build_cached(str(final), build, what=f"the peer benchmark's {arch} ({pretrain_steps} pretraining steps)"):
+        # a child's peak RSS (ru_maxrss) starts from this process's at fork, which the build just raised:
+        # start afresh, with the model in place, so that each side's figure is its own
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     return str(final)
 
 
@@ -245,6 +267,8 @@ def main() -> None:
     p.add_argument("--trl-python", help="a python with trl==1.16.0 and vaderSentiment (default: make one)")
     p.add_argument("--floor", action="store_true",
                    help="after each pair, the floor of klbench's side too (scripts/bench_rollout.py --floor-only)")
+    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                   help="the job's model: GPT-2 (default) or a Llama of the same size (RoPE, RMSNorm, GQA)")
     p.add_argument("--pretrain-steps", type=int, default=800,
                    help="next-token pretraining of the tiny GPT-2 before RL (klbench's embedded default: 800)")
     a = p.parse_args()
@@ -254,10 +278,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     os.environ["HF_HUB_OFFLINE"] = "1"
     py = ensure_trl_python(work, a.trl_python)
-    model, prompts = build_model(work, a.pretrain_steps), write_prompts(work)
+    model, prompts = build_model(work, a.pretrain_steps, a.arch), write_prompts(work)
     print(f"machine: {machine()}\nmodel: {model}\nprompts: {prompts[0]} ({N_PROMPTS}; klbench validates on "
           f"{prompts[1].name})\n"
-          f"job: {PROMPTS_PER_STEP} prompts x {SAMPLES} samples x {NEW_TOKENS} tokens, {a.steps} steps, fp32, CPU",
+          f"job: {a.arch}, {PROMPTS_PER_STEP} prompts x {SAMPLES} samples x {NEW_TOKENS} tokens, {a.steps} steps, "
+          "fp32, CPU",
           flush=True)
     load_start, rows, floors = load(), [], []
     for i in range(1, a.pairs + 1):
