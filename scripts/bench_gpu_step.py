@@ -99,19 +99,10 @@ def even_share(resp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def build(path: str, shape: dict, cuda: bool) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    vocab = shape["vocab_size"]
-    # byte-level BPE without merges (as scripts/bench_large_vocab.py): the 256 byte symbols the prompts are made
-    # of, then fillers up to the model's vocabulary, so every id the model can sample decodes to something
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    ids = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *sorted(alphabet)])}
-    ids.update({f"w{i}": i for i in range(len(ids), vocab)})
-    tok = Tokenizer(models.BPE(ids, [], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="</s>")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from bench_large_vocab import filler_tokenizer  # scripts/ is on sys.path: this script's own folder
+    fast = filler_tokenizer(shape["vocab_size"])
     body = {k: shape[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                   "num_attention_heads", "num_key_value_heads")}
     # Qwen2's init std 0.02 at hidden 896, wider for a narrower body: there the tied input embedding would

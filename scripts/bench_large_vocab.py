@@ -76,20 +76,25 @@ print("RESULT " + json.dumps({"step_s": statistics.median(times[1:]), "peak_mib"
 """
 
 
-def build(path: str, vocab: int, context: int) -> None:
-    import torch
+def filler_tokenizer(vocab: int):
+    """Byte-level BPE without merges, as transformers rebuilds a Qwen2 tokenizer: the 256 byte symbols (prompts
+    are made of them) and fillers up to the vocabulary size, so every id a random model samples decodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    # byte-level BPE without merges, as transformers rebuilds a Qwen2 tokenizer: the 256 byte symbols (prompts
-    # are made of them) and fillers up to the vocabulary size (what the random model samples)
+    from transformers import PreTrainedTokenizerFast
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab_ids = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *sorted(alphabet)])}
     vocab_ids.update({f"w{i}": i for i in range(len(vocab_ids), vocab)})
     tok = Tokenizer(models.BPE(vocab_ids, [], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    pad_token="</s>")
+
+
+def build(path: str, vocab: int, context: int) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    fast = filler_tokenizer(vocab)
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
