@@ -1,10 +1,11 @@
-"""Reproduces issue 34's open race: SIGTERM to a sweep right after trial 1 starts, under CPU load, sometimes leaves the
-sweep's MLflow parent run RUNNING (the process still exits 143). Run two busy loops beside it, e.g.
+"""Reproduces issue 34's race: SIGTERM to a sweep right after trial 1 starts, under CPU load, left the sweep's MLflow
+parent run RUNNING (the process still exited 143). Run two busy loops beside it, e.g.
     for i in 1 2; do timeout 300 python3 -c "while True: pass" & done; python scripts/repro_sweep_sigterm.py
-On 2026-11-27 the second of three attempts failed: `parent.stop`'s INSERT INTO tags (klbench.sweep.trials, '1 FINISHED,
-1 RUNNING') raised an SQLAlchemy OperationalError 16 s later than a clean stop takes (MLflow's
-SQLite sessions wait 20 s on a lock), and Hydra turned it into a warning. Prints each
-attempt's exit code, time to exit and parent status, and the stderr of the first failure.
+Cause (docs/record.md): the signal landed inside one of MLflow's SQLite writes, and SQLite kept the closed connection's
+write lock while the interrupt's traceback referenced one of its statements, so `parent.stop`'s tag write waited 20 s
+on its own process and failed. 4 of 26 attempts failed before klbench.record.interrupts defers a signal past store
+writes and frees the traceback; 0 of 10 after. Prints each attempt's exit code, time to exit and parent status, and
+the stderr of the first failure.
 """
 from __future__ import annotations
 
