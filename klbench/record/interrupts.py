@@ -71,7 +71,11 @@ def _handler(signum: int, frame) -> None:
     if _in_store_write(frame) and _defer(signum):
         return
     _deferred_since = None
-    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+    raise _interrupt(signum)
+
+
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 
 
 def _in_store_write(frame) -> bool:
@@ -100,7 +104,7 @@ def raise_noted() -> None:
     once a run's last step is done (its final validation, its checkpoint), and the run ends FINISHED. Called where
     a sweep would start its next trial in this process (basic launcher), so the sweep stops there."""
     if received is not None:
-        raise KeyboardInterrupt() if received == signal.SIGINT else Terminated()
+        raise _interrupt(received)
 
 
 def signal_of(e: BaseException | None) -> int | None:
