@@ -187,10 +187,11 @@ class _TokenScores(torch.autograd.Function):
     """token_logprob and the exact per-position KL(pi || pi_ref) of the same logits in one pass per row block, and
     one [B, T, V] gradient for both: apart, each backward recomputes its softmax and writes a [B, T, V] gradient of
     the logits, and autograd adds them. Measured (docs/scale.md): the peak is the same either way, rb's step over
-    loo's 1.25x-1.27x apart against a median 1.07x in one pass."""
+    loo's 1.25x-1.27x apart against a median 1.07x in one pass. With ref_rows (i -> ref_logits[i] computed
+    again) backward keeps no reference logits: one [B, T, V] less at rb's peak."""
 
     @staticmethod
-    def forward(ctx, logits, ref_logits, tokens, rows):
+    def forward(ctx, logits, ref_logits, tokens, rows, ref_rows):
         acc = _accum_dtype(logits.dtype)
         blocks = _row_blocks(logits.shape, rows)
         lse = torch.empty(logits.shape[:2], dtype=acc, device=logits.device)  # [B, T]
@@ -200,35 +201,38 @@ class _TokenScores(torch.autograd.Function):
             lse[i] = torch.logsumexp(x, -1)
             logp, logq = torch.log_softmax(x, -1), torch.log_softmax(ref_logits[i].to(acc), -1)  # [c, V] each
             kappa[i] = logp.exp().mul_(logp.sub_(logq)).sum(-1)  # as exact_token_kl
-        ctx.save_for_backward(logits, ref_logits, tokens, lse, kappa)
-        ctx.blocks = blocks
+        ctx.save_for_backward(logits, tokens, lse, kappa, *(() if ref_rows else (ref_logits,)))
+        ctx.blocks, ctx.ref_rows = blocks, ref_rows
         return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(acc) - lse, kappa
 
     @staticmethod
     def backward(ctx, g_logp, g_kappa):
-        logits, ref_logits, tokens, lse, kappa = ctx.saved_tensors
+        logits, tokens, lse, kappa, *ref = ctx.saved_tensors
+        ref_rows = ctx.ref_rows or ref[0].__getitem__
         grad = torch.empty_like(logits)  # [B, T, V]
         for i in ctx.blocks:
             x = logits[i].to(lse.dtype)
             logp = torch.log_softmax(x, -1)  # [c, V]
             p = logp.exp()
             # d kappa / d z = p (log p - log q - kappa); d logp(y) / d z = onehot(y) - p (the onehot added below)
-            d = logp.sub_(torch.log_softmax(ref_logits[i].to(lse.dtype), -1)).sub_(kappa[i].unsqueeze(-1)).mul_(p)
+            d = logp.sub_(torch.log_softmax(ref_rows(i).to(lse.dtype), -1)).sub_(kappa[i].unsqueeze(-1)).mul_(p)
             d.mul_(g_kappa[i].unsqueeze(-1)) if g_kappa is not None else d.zero_()
             if g_logp is not None:
                 d.sub_(p.mul_(g_logp[i].unsqueeze(-1)))
             grad[i] = d
         if g_logp is not None:
             grad.scatter_add_(-1, tokens.unsqueeze(-1), g_logp.unsqueeze(-1).to(grad.dtype))
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def token_scores(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor, ref_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t) [B, T], kappa_t [B, T]): token_logprob(logits, tokens) and exact_token_kl(logits, ref_logits,
-    mask), both differentiable in logits, with one [B, T, V] gradient between them. kappa is 0 off the mask."""
+    mask), both differentiable in logits, with one [B, T, V] gradient between them. kappa is 0 off the mask.
+    ref_rows: i -> ref_logits[i] for a row block i of [B, T] (klbench.models.head): backward reads it instead of
+    keeping ref_logits."""
     logp, kappa = _TokenScores.apply(logits, ref_logits.detach(), tokens,
-                                      default_chunk_rows(logits.shape[-1], logits.device))
+                                      default_chunk_rows(logits.shape[-1], logits.device), ref_rows)
     kappa = torch.where(mask, kappa, torch.zeros((), dtype=kappa.dtype, device=kappa.device))
     if not torch.isfinite(kappa).all():  # as exact_token_kl: a non-finite logit on a real token
         raise ValueError("KLBatch.logits or ref_logits has non-finite values on masked-in tokens")

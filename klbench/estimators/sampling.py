@@ -136,21 +136,30 @@ def target_pair(logits: torch.Tensor, ref_logits: torch.Tensor, sampling: Sampli
     at plain sampling). Differentiable in `logits`; cut tokens get `excluded(dtype)`."""
     if sampling.is_plain or target == "model":
         return logits, ref_logits
-    t = sampling.temperature
-    up = (lambda x: x.float()) if logits.dtype != torch.float64 else (lambda x: x)
-    pol, ref = up(logits) / t, up(ref_logits)
-    if target == "tempered_vs_raw":
-        return pol, ref
-    ref = ref / t
+    pol, ref = _up(logits, logits.dtype) / sampling.temperature, target_ref(sampling, target, logits.dtype)(ref_logits)
     if target == "sampler" and sampling.truncates:  # the policy as sampled; the reference keeps its whole vocabulary
         pol = pol.masked_fill(~sampling.keep(logits), excluded(pol.dtype))  # the cut held fixed: piecewise constant
     return pol, ref
 
 
+def _up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if dtype == torch.float64 else x.float()  # tempered logits in float32 (float64 stays)
+
+
+def target_ref(sampling: Sampling, target: str, dtype: torch.dtype):
+    """[..., V] -> [..., V]: the target's reference logits from the raw reference's (target_pair's second
+    half), for policy logits of `dtype`: as they are at plain sampling and for `model`, else upcast and
+    divided by the temperature (`tempered_vs_raw`: upcast only)."""
+    if sampling.is_plain or target == "model":
+        return lambda x: x
+    t = 1 if target == "tempered_vs_raw" else sampling.temperature
+    return (lambda x: _up(x, dtype)) if t == 1 else (lambda x: _up(x, dtype) / t)
+
+
 def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
                  sampling: Sampling, target: str, group: torch.Tensor | None = None,
                  behaviour_logp: torch.Tensor | None = None, chunk_rows: int | None = None,
-                 kappa: bool = False) -> KLBatch:
+                 kappa: bool = False, ref_rows=None) -> KLBatch:
     """The KLBatch of `target` for responses `tokens` [B, T] drawn by `sampling` from `logits` [B, T, V].
 
     target=model (sampling not plain): old_logp = log pi_s(y), from `behaviour_logp` [B, T] when the sampler
@@ -158,12 +167,15 @@ def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.T
     the scorer's arithmetic), else from these logits.
     kappa: also the exact per-position KL (KLBatch.token_kl), with logp in one pass (token_scores), for an
     estimator that differentiates it (Estimator.kappa_gradient); else KLBatch.kappa computes it on first use.
+    ref_rows: i -> ref_logits[i] for a row block i of [B, T], computed again (klbench.models.head), so that
+    kappa's backward need not keep the reference's [B, T, V] logits.
     """
     check_target(sampling, target)
     pol, ref = target_pair(logits, ref_logits, sampling, target)
     token_kl = None
     if kappa:
-        logp, token_kl = token_scores(pol, ref, tokens, mask)
+        rows = None if ref_rows is None else (lambda i, f=target_ref(sampling, target, logits.dtype): f(ref_rows(i)))
+        logp, token_kl = token_scores(pol, ref, tokens, mask, ref_rows=rows)
     else:
         logp = token_logprob(pol, tokens)
     ref_logp = token_logprob(ref, tokens)

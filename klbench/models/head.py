@@ -1,0 +1,61 @@
+"""A model's logits, and a way to compute them again a row block at a time from its last hidden states.
+
+    logits, rows = logits_and_rows(model, lambda: model(...).logits, positions)   # rows(i) == logits[i]
+
+rb's gradient d kappa / d z = p (log p - log q - kappa) reads the reference's log q at every vocabulary entry
+in backward. Kept whole, that is one [B, T, V] more than loo holds at its peak (1.47x loo's at V = 151,936,
+docs/scale.md). The reference's last hidden states are [B, T, H], H a few thousand at most against V's
+150k-260k: keeping them and its LM head, backward projects one row block at a time
+(klbench.estimators.chunked.token_scores).
+
+Generic: the hidden states are what the model's own output embedding (`get_output_embeddings()`) received
+during its forward, caught by a forward hook, so transformers' forward of any architecture and klbench's GPT-2
+pass (gpt2_score.gpt2_logits calls the same module) both serve. Offered only where the logits are that
+module's output as is: an `nn.Linear` head, and logits that share its storage. A model that post-processes
+them (Gemma 2's final softcapping, Cohere's logit scale) or a LoRA-wrapped head gets no `rows`; it then keeps
+the whole reference logits to backward, as before: more memory, the same numbers.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+from torch import nn
+
+Rows = Callable[[tuple], torch.Tensor]  # an index of [B, T] (klbench.estimators.chunked row blocks) -> [c, V]
+
+
+def output_head(model) -> nn.Module | None:
+    """The module that projects the last hidden states onto the vocabulary, or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    if get is None and hasattr(model, "peft_model"):  # klbench.models.lora.WithoutAdapter
+        get = model.peft_model.get_output_embeddings
+    return get() if get is not None else None
+
+
+def logits_and_rows(model, run: Callable[[], torch.Tensor], positions: slice) -> tuple[torch.Tensor, Rows | None]:
+    """(logits [B, T, V], rows): `run()`'s logits at `positions` (a slice of its second dimension), and rows(i),
+    which gives logits[i] again for an index i of [B, T] from the head's input (None where that is not exact).
+    rows runs under the autocast state of this forward, so that it reproduces its dtype in backward too."""
+    head = output_head(model)
+    if type(head) is not nn.Linear:
+        return run()[:, positions], None
+    seen = {}
+    hook = head.register_forward_hook(lambda mod, args, out: seen.update(h=args[0], out=out))
+    try:
+        logits = run()
+    finally:
+        hook.remove()
+    if "out" not in seen or logits.untyped_storage().data_ptr() != seen["out"].untyped_storage().data_ptr():
+        return logits[:, positions], None  # post-processed, or the head ran more than once: not its output as is
+    h = seen["h"].detach()[:, positions]  # [B, T, H]
+    dev = h.device.type
+    auto = torch.is_autocast_enabled(dev)
+    dtype = torch.get_autocast_dtype(dev) if auto else None
+
+    def rows(i: tuple) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast(dev, dtype) if auto else nullcontext():
+            return head(h[i])  # [c, V]
+
+    return logits[:, positions], rows
