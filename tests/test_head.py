@@ -41,7 +41,7 @@ def _rows_of(policy, ro):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "gemma3", "mistral", "phi3", "llama-lora"])
-def test_rows_give_the_reference_logits_again(arch, tiny_arch, tiny_lm_dir):
+def test_rows_give_the_reference_logits_again(arch, tiny_arch, tiny_lm_dir, monkeypatch):
     path = tiny_lm_dir if arch == "gpt2" else tiny_arch(arch.split("-")[0])[0]
     policy = _policy(path, lora=arch.endswith("lora"))
     torch.manual_seed(0)
@@ -49,8 +49,14 @@ def test_rows_give_the_reference_logits_again(arch, tiny_arch, tiny_lm_dir):
     logits, rows = _rows_of(policy, ro)  # [B, L, V]
     assert rows is not None
     B, L = ro.mask.shape
-    for i in [(slice(None),), (0, slice(0, 3)), (B - 1, slice(2, L))]:
-        torch.testing.assert_close(rows(i), logits[i], rtol=1e-5, atol=1e-5)  # the same matmul, other row blocks
+    blocks = [(slice(None),), (0, slice(0, 3)), (0, slice(3, 5)), (0, slice(1, 2)), (1, slice(0, 1)),
+              (B - 1, slice(2, L))]
+    for span in (None, 2):  # whole sequences projected at once (the default here), and 2 positions at a time
+        if span:
+            monkeypatch.setattr("klbench.models.head.SPAN_ELEMENTS", span * logits.shape[-1])
+            logits, rows = _rows_of(policy, ro)
+        for i in blocks:  # the same matmul on other row blocks: float32 rounding apart
+            torch.testing.assert_close(rows(i), logits[i], rtol=1e-5, atol=1e-5)
 
 
 def test_a_post_processed_head_keeps_the_logits(tiny_arch):

@@ -195,30 +195,35 @@ class _TokenScores(torch.autograd.Function):
         acc = _accum_dtype(logits.dtype)
         blocks = _row_blocks(logits.shape, rows)
         lse = torch.empty(logits.shape[:2], dtype=acc, device=logits.device)  # [B, T]
-        kappa = torch.empty_like(lse)  # [B, T]
+        lse_q, kappa = torch.empty_like(lse), torch.empty_like(lse)  # [B, T] each
         for i in blocks:
-            x = logits[i].to(acc)  # [c, V]
+            x, r = logits[i].to(acc), ref_logits[i].to(acc)  # [c, V] each
             lse[i] = torch.logsumexp(x, -1)
-            logp, logq = torch.log_softmax(x, -1), torch.log_softmax(ref_logits[i].to(acc), -1)  # [c, V] each
+            logp, logq = torch.log_softmax(x, -1), torch.log_softmax(r, -1)  # [c, V] each
+            # log_softmax is (r - max) - log sum exp(r - max), so its max is exactly -log sum: two reads, no exp
+            lse_q[i] = r.amax(-1) - logq.amax(-1)
             kappa[i] = logp.exp().mul_(logp.sub_(logq)).sum(-1)  # as exact_token_kl
-        ctx.save_for_backward(logits, tokens, lse, kappa, *(() if ref_rows else (ref_logits,)))
+        # backward's log p - log q - kappa = z - r - shift, with no log-softmax of either model
+        shift = (lse.double() - lse_q.double() + kappa.double()).to(acc)  # [B, T]
+        ctx.save_for_backward(logits, tokens, lse, shift, *(() if ref_rows else (ref_logits,)))
         ctx.blocks, ctx.ref_rows = blocks, ref_rows
         return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(acc) - lse, kappa
 
     @staticmethod
     def backward(ctx, g_logp, g_kappa):
-        logits, tokens, lse, kappa, *ref = ctx.saved_tensors
+        logits, tokens, lse, shift, *ref = ctx.saved_tensors
         ref_rows = ctx.ref_rows or ref[0].__getitem__
         grad = torch.empty_like(logits)  # [B, T, V]
         for i in ctx.blocks:
-            x = logits[i].to(lse.dtype)
-            logp = torch.log_softmax(x, -1)  # [c, V]
-            p = logp.exp()
-            # d kappa / d z = p (log p - log q - kappa); d logp(y) / d z = onehot(y) - p (the onehot added below)
-            d = logp.sub_(torch.log_softmax(ref_rows(i).to(lse.dtype), -1)).sub_(kappa[i].unsqueeze(-1)).mul_(p)
-            d.mul_(g_kappa[i].unsqueeze(-1)) if g_kappa is not None else d.zero_()
-            if g_logp is not None:
-                d.sub_(p.mul_(g_logp[i].unsqueeze(-1)))
+            x = logits[i].to(lse.dtype)  # [c, V]
+            p = (x - lse[i].unsqueeze(-1)).exp_()  # [c, V]
+            # d kappa / d z = p (log p - log q - kappa); d logp(y) / d z = onehot(y) - p (the onehot added below):
+            # together p (g_kappa (z - r - shift) - g_logp), in place on one working block
+            if g_kappa is None:
+                d = p.mul_(-g_logp[i].unsqueeze(-1))
+            else:
+                d = torch.sub(x, ref_rows(i).to(lse.dtype)).sub_(shift[i].unsqueeze(-1)).mul_(g_kappa[i].unsqueeze(-1))
+                d = (d.sub_(g_logp[i].unsqueeze(-1)) if g_logp is not None else d).mul_(p)
             grad[i] = d
         if g_logp is not None:
             grad.scatter_add_(-1, tokens.unsqueeze(-1), g_logp.unsqueeze(-1).to(grad.dtype))

@@ -23,6 +23,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+# positions projected at once: the blocks callers ask for are a few rows at V = 150k (a cache-sized working set),
+# and a matmul of so few rows reads the whole [V, H] head each time: 1.69x loo's step time, measured, against
+# 1.0x with spans of 2^24 elements (64 MiB in float32)
+SPAN_ELEMENTS = 2 ** 24
 Rows = Callable[[tuple], torch.Tensor]  # an index of [B, T] (klbench.estimators.chunked row blocks) -> [c, V]
 
 
@@ -54,8 +58,20 @@ def logits_and_rows(model, run: Callable[[], torch.Tensor], positions: slice) ->
     auto = torch.is_autocast_enabled(dev)
     dtype = torch.get_autocast_dtype(dev) if auto else None
 
-    def rows(i: tuple) -> torch.Tensor:
+    span = max(1, SPAN_ELEMENTS // logits.shape[-1])
+    last = {}  # the latest projected span: (b, t0, t1, [t1 - t0, V])
+
+    def project(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad(), torch.autocast(dev, dtype) if auto else nullcontext():
-            return head(h[i])  # [c, V]
+            return head(x)
+
+    def rows(i: tuple) -> torch.Tensor:
+        if len(i) == 1:  # the whole [B, T]
+            return project(h[i])
+        b, s = i
+        if not (last and last["b"] == b and last["t0"] <= s.start and s.stop <= last["t1"]):
+            t1 = min(s.start + max(span, s.stop - s.start), h.shape[1])
+            last.update(b=b, t0=s.start, t1=t1, out=project(h[b, s.start:t1]))
+        return last["out"][s.start - last["t0"]: s.stop - last["t0"]]  # [c, V]
 
     return logits[:, positions], rows
