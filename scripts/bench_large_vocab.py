@@ -3,6 +3,7 @@ task.micro_batch_size, with the value estimators and the entropy logged or not.
 
     python scripts/bench_large_vocab.py [--vocab 151936 --tokens 512 --prompts 2 --samples 2 --steps 3]
     python scripts/bench_large_vocab.py --code /path/to/other/checkout --only loo,rb   # another commit's klbench
+    python scripts/bench_large_vocab.py --interleave 8     # rb/loo step time, side by side in one process
 
 The model is a random Qwen2-architecture folder (a tiny body, hidden 64, 2 layers) with Qwen's vocabulary size,
 so that the [B, T, V] logits, not the layers, decide the memory, as they do for a real Qwen at long responses.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,6 +78,39 @@ print("RESULT " + json.dumps({"step_s": statistics.median(times[1:]), "peak_mib"
 """
 
 
+INTERLEAVED = r"""
+import json, statistics, sys, time
+import torch
+from klbench.config.compose import compose
+from klbench.models.policies import build_policy
+from klbench.tasks import build_task
+
+work, rounds, prompts, samples, estimators, *overrides = sys.argv[1:]
+rounds, prompts, samples, estimators = int(rounds), int(prompts), int(samples), estimators.split(",")
+cfgs = {e: compose([*overrides, f"estimator={e}"], outputs=f"{work}/outputs-{e}", run_dir=f"{work}/run-{e}")
+        for e in estimators}
+policy = build_policy(cfgs[estimators[0]].model, cfgs[estimators[0]].task.max_new_tokens)
+tasks = {e: build_task(c, policy, None) for e, c in cfgs.items()}
+for t in tasks.values():
+    t.metrics_read = True
+    t._log_now = lambda m: None
+texts = [f"prompt {i}: the film was" for i in range(prompts)]
+torch.manual_seed(0)
+ro = policy.rollout(texts, samples)
+policy.rollout = lambda p, n: ro       # every step scores the same rollout
+times = {e: [] for e in estimators}
+for r in range(rounds + 1):            # round 0 warms up
+    for e in (estimators if r % 2 else estimators[::-1]):  # alternating order: drift hits both alike
+        t = time.perf_counter()
+        tasks[e].training_step(texts, 0).backward()
+        for p in policy.trainable():
+            p.grad = None
+        if r:
+            times[e].append(time.perf_counter() - t)
+print("RESULT " + json.dumps(times))
+"""
+
+
 def filler_tokenizer(vocab: int):
     """Byte-level BPE without merges, as transformers rebuilds a Qwen2 tokenizer: the 256 byte symbols (prompts
     are made of them) and fillers up to the vocabulary size, so every id a random model samples decodes."""
@@ -127,6 +162,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", help="comma-separated labels of the configurations to run (default: all)")
     ap.add_argument("--code", help="a checkout whose klbench the configurations run (PYTHONPATH; default: this one)")
+    ap.add_argument("--interleave", type=int, metavar="ROUNDS",
+                    help="step times only: loo and rb in one process, alternating, ROUNDS rounds after a warm-up; "
+                         "their ratio is then taken side by side (the machine's drift hits both alike)")
     ap.add_argument("--malloc-default", action="store_true",
                     help="leave glibc's mmap threshold alone: step times as a run has them (the resident set then keeps "
                          "freed blocks, and the peak figures say little)")
@@ -145,6 +183,8 @@ def main() -> None:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     if a.code:
         env["PYTHONPATH"] = os.path.abspath(a.code)
+    if a.interleave:
+        return interleaved(a, root, common, env)
     only = a.only.split(",") if a.only else [c[0] for c in CONFIGS]
     for label, est, micro, log in [c for c in CONFIGS if c[0] in only]:
         extra = [f"estimator={est}"] + ([f"task.micro_batch_size={micro}"] if micro else [])
@@ -172,6 +212,24 @@ def main() -> None:
         if est in results and ref in results:
             print(f"{est} / {ref}: peak {results[est]['peak_mib'] / results[ref]['peak_mib']:.2f}x, "
                   f"time {results[est]['step_s'] / results[ref]['step_s']:.2f}x")
+
+
+def interleaved(a, root: str, common: list[str], env: dict) -> None:
+    env = {k: v for k, v in env.items() if k != "MALLOC_MMAP_THRESHOLD_"}  # times as a run has them
+    p = subprocess.run([sys.executable, "-c", INTERLEAVED, tempfile.mkdtemp(dir=root), str(a.interleave),
+                        str(a.prompts), str(a.samples), "loo,rb", *common], capture_output=True, text=True, env=env,
+                       cwd=root)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not line:
+        sys.exit(f"interleaved: failed\n{p.stderr[-3000:]}")
+    times = json.loads(line[0][7:])
+    ratios = [r / l for l, r in zip(times["loo"], times["rb"])]
+    print(f"V={a.vocab}, B={a.prompts * a.samples} x T={a.tokens}, {a.interleave} alternating rounds, every value "
+          f"estimator and the entropy logged")
+    for e, ts in times.items():
+        print(f"{e:>4}: median step {statistics.median(ts):.2f} s  ({', '.join(f'{t:.2f}' for t in ts)})")
+    print(f"rb / loo, round by round: median {statistics.median(ratios):.3f}x "
+          f"({', '.join(f'{r:.2f}' for r in ratios)})")
 
 
 if __name__ == "__main__":

@@ -219,12 +219,16 @@ class _TokenScores(torch.autograd.Function):
             p = (x - lse[i].unsqueeze(-1)).exp_()  # [c, V]
             # d kappa / d z = p (log p - log q - kappa); d logp(y) / d z = onehot(y) - p (the onehot added below):
             # together p (g_kappa (z - r - shift) - g_logp), in place on one working block
+            same = grad.dtype == p.dtype  # then the last product is written into grad itself: no copy
+            out = grad[i] if same else torch.empty_like(p)  # [c, V]
             if g_kappa is None:
-                d = p.mul_(-g_logp[i].unsqueeze(-1))
-            else:
-                d = torch.sub(x, ref_rows(i).to(lse.dtype)).sub_(shift[i].unsqueeze(-1)).mul_(g_kappa[i].unsqueeze(-1))
-                d = (d.sub_(g_logp[i].unsqueeze(-1)) if g_logp is not None else d).mul_(p)
-            grad[i] = d
+                torch.mul(p, -g_logp[i].unsqueeze(-1), out=out)
+            else:  # g_kappa (z - r) - (g_kappa shift + g_logp): the per-row constants folded into one [c]
+                c = shift[i] * g_kappa[i] + (g_logp[i] if g_logp is not None else 0)  # [c]
+                d = torch.sub(x, ref_rows(i).to(lse.dtype)).mul_(g_kappa[i].unsqueeze(-1)).sub_(c.unsqueeze(-1))
+                torch.mul(d, p, out=out)
+            if not same:
+                grad[i] = out
         if g_logp is not None:
             grad.scatter_add_(-1, tokens.unsqueeze(-1), g_logp.unsqueeze(-1).to(grad.dtype))
         return grad, None, None, None, None

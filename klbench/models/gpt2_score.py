@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 
-def gpt2_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, keep: int,
+def gpt2_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, keep: int | slice,
                 mask: torch.Tensor | None) -> torch.Tensor:
-    """[B, keep, V] next-token logits of the last `keep` positions, as model(tokens, attention_mask=...,
-    position_ids=..., logits_to_keep=keep).logits gives them. tokens, position_ids: [B, T]; mask:
-    sdpa_mask(attention_mask)."""
+    """[B, keep, V] next-token logits of the last `keep` positions (or of the positions a slice names), as
+    model(tokens, attention_mask=..., position_ids=..., logits_to_keep=keep).logits gives them. tokens,
+    position_ids: [B, T]; mask: sdpa_mask(attention_mask)."""
     tr, cfg = model.transformer, model.config
     B, T = tokens.shape
     C, H = cfg.n_embd, cfg.n_head
@@ -40,7 +40,7 @@ def gpt2_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, keep: i
         h = F.layer_norm(x, (C,), blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps)
         h = m.act(torch.addmm(m.c_fc.bias, h.view(B * T, C), m.c_fc.weight))  # [B * T, 4C]
         x = x + torch.addmm(m.c_proj.bias, h, m.c_proj.weight).view(B, T, C)
-    x = tr.ln_f(x[:, -keep:])  # row-wise: the same bits as normalising every position, then slicing
+    x = tr.ln_f(x[:, -keep:] if isinstance(keep, int) else x[:, keep])  # row-wise: the same bits as all, sliced
     return model.lm_head(x)  # [B, keep, V]; the module, not its weight: klbench.models.head hooks it
 
 

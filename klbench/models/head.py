@@ -1,6 +1,6 @@
 """A model's logits, and a way to compute them again a row block at a time from its last hidden states.
 
-    logits, rows = logits_and_rows(model, lambda: model(...).logits, positions)   # rows(i) == logits[i]
+    logits, rows = logits_and_rows(model, lambda: model(...).logits, L)   # rows(i) == logits[i], [B, L, V]
 
 rb's gradient d kappa / d z = p (log p - log q - kappa) reads the reference's log q at every vocabulary entry
 in backward. Kept whole, that is one [B, T, V] more than loo holds at its peak (1.47x loo's at V = 151,936,
@@ -38,13 +38,14 @@ def output_head(model) -> nn.Module | None:
     return get() if get is not None else None
 
 
-def logits_and_rows(model, run: Callable[[], torch.Tensor], positions: slice) -> tuple[torch.Tensor, Rows | None]:
-    """(logits [B, T, V], rows): `run()`'s logits at `positions` (a slice of its second dimension), and rows(i),
-    which gives logits[i] again for an index i of [B, T] from the head's input (None where that is not exact).
+def logits_and_rows(model, run: Callable[[], torch.Tensor], L: int) -> tuple[torch.Tensor, Rows | None]:
+    """(logits [B, L, V], rows): `run()`'s logits of the response, and rows(i), which gives logits[i] again for an
+    index i of [B, L] from the head's input (None where that is not exact). `run()` gives those L positions, or
+    every position of the sequence (a model that ignores logits_to_keep): then the L before the last are taken.
     rows runs under the autocast state of this forward, so that it reproduces its dtype in backward too."""
     head = output_head(model)
     if type(head) is not nn.Linear:
-        return run()[:, positions], None
+        return _response(run(), L), None
     seen = {}
     hook = head.register_forward_hook(lambda mod, args, out: seen.update(h=args[0], out=out))
     try:
@@ -52,8 +53,8 @@ def logits_and_rows(model, run: Callable[[], torch.Tensor], positions: slice) ->
     finally:
         hook.remove()
     if "out" not in seen or logits.untyped_storage().data_ptr() != seen["out"].untyped_storage().data_ptr():
-        return logits[:, positions], None  # post-processed, or the head ran more than once: not its output as is
-    h = seen["h"].detach()[:, positions]  # [B, T, H]
+        return _response(logits, L), None  # post-processed, or the head ran more than once: not its output as is
+    h = _response(seen["h"].detach(), L)  # [B, L, H]
     dev = h.device.type
     auto = torch.is_autocast_enabled(dev)
     dtype = torch.get_autocast_dtype(dev) if auto else None
@@ -61,9 +62,17 @@ def logits_and_rows(model, run: Callable[[], torch.Tensor], positions: slice) ->
     span = max(1, SPAN_ELEMENTS // logits.shape[-1])
     last = {}  # the latest projected span: (b, t0, t1, [t1 - t0, V])
 
+    buf = []  # one [span, V] output block, reused: a fresh 64 MiB block per span is mapped and faulted in anew
+
     def project(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad(), torch.autocast(dev, dtype) if auto else nullcontext():
-            return head(x)
+            if auto or x.dim() != 2:
+                return head(x)
+            if not buf or buf[0].shape[0] < x.shape[0]:
+                buf[:] = [x.new_empty(max(span, x.shape[0]), head.out_features)]
+            out = buf[0][: x.shape[0]]  # [c, V]
+            w = head.weight.t()  # F.linear's own kernels: mm, or addmm with a bias
+            return torch.mm(x, w, out=out) if head.bias is None else torch.addmm(head.bias, x, w, out=out)
 
     def rows(i: tuple) -> torch.Tensor:
         if len(i) == 1:  # the whole [B, T]
@@ -74,4 +83,9 @@ def logits_and_rows(model, run: Callable[[], torch.Tensor], positions: slice) ->
             last.update(b=b, t0=s.start, t1=t1, out=project(h[b, s.start:t1]))
         return last["out"][s.start - last["t0"]: s.stop - last["t0"]]  # [c, V]
 
-    return logits[:, positions], rows
+    return _response(logits, L), rows
+
+
+def _response(x: torch.Tensor, L: int) -> torch.Tensor:
+    """[B, L, ...]: x itself, or the L positions before the last where x holds the whole sequence."""
+    return x if x.shape[1] == L else x[:, -(L + 1):-1]

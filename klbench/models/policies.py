@@ -218,18 +218,20 @@ class LMPolicy(Policy):
     def _logits(self, model, ro: Rollout, pos: torch.Tensor, mask: torch.Tensor | None) -> tuple:
         """([B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2), rows): rows(i) computes
         logits[i] again from the model's last hidden states (klbench.models.head), or None."""
-        L = ro.mask.shape[1]
-        # the LM head projects the last L + 1 positions only, not the prompt's (the same bits where it runs);
-        # a model that ignores logits_to_keep returns all positions, and the slice from the end still holds.
+        T, L = ro.tokens.shape[1], ro.mask.shape[1]
+        # the LM head projects those L positions only: not the prompt's, and not the last one, whose logits no
+        # response token reads (sliced off, they cost a [B, L + 1, V] gradient of the slice in backward, zeroed
+        # and copied). A model that ignores logits_to_keep returns all positions: logits_and_rows slices them.
         # A plain GPT-2 takes the same bits without transformers' layers, unless they are to checkpoint
         if gpt2_decode.unsupported(model) is None and not (self.checkpointing and model is self.model):
-            run = lambda: gpt2_logits(model, ro.tokens, pos, L + 1, mask)  # noqa: E731
+            run = lambda: gpt2_logits(model, ro.tokens, pos, slice(T - L - 1, T - 1), mask)  # noqa: E731
         else:
             # no KV cache: scoring never reads one, and a layer that writes it would write it again when
             # checkpointing recomputes the layer (GPT-2's does, whatever transformers' checkpointing turns off)
+            keep = torch.arange(T - L - 1, T - 1, device=ro.tokens.device)  # [L]
             run = lambda: model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos,  # noqa: E731
-                                logits_to_keep=L + 1, use_cache=False).logits
-        return logits_and_rows(model, run, slice(-(L + 1), -1))
+                                logits_to_keep=keep, use_cache=False).logits
+        return logits_and_rows(model, run, L)
 
     def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
         if micro_batch_size is None or micro_batch_size >= ro.tokens.shape[0]:
