@@ -124,7 +124,7 @@ def test_policy_scores_the_target(tiny_lm_dir, other_sharp_dir, target, single_t
     resp = ro.tokens[:, ro.prompt_len:]
     pos, att = position_ids_from_mask(ro.attention), sdpa_mask(ro.attention)
     with torch.no_grad():
-        (logits, _), (ref_logits, _) = policy._logits(model, ro, pos, att), policy._logits(ref, ro, pos, att)
+        logits, ref_logits = policy._logits(model, ro, pos, att), policy._logits(ref, ro, pos, att)
     expect = target_batch(logits, ref_logits, resp, ro.mask, sampling, target, behaviour_logp=ro.sample_logp)
     torch.testing.assert_close(batch.logp.detach(), expect.logp)
     torch.testing.assert_close(batch.ref_logp, expect.ref_logp)

@@ -187,11 +187,15 @@ class _TokenScores(torch.autograd.Function):
     """token_logprob and the exact per-position KL(pi || pi_ref) of the same logits in one pass per row block, and
     one [B, T, V] gradient for both: apart, each backward recomputes its softmax and writes a [B, T, V] gradient of
     the logits, and autograd adds them. Measured (docs/scale.md): the peak is the same either way, rb's step over
-    loo's 1.25x-1.27x apart against a median 1.07x in one pass. With ref_rows (i -> ref_logits[i] computed
-    again) backward keeps no reference logits: one [B, T, V] less at rb's peak."""
+    loo's 1.25x-1.27x apart against a median 1.07x in one pass.
+
+    kappa's gradient p (log p - log q - kappa) reads the reference's logits in backward, so they are kept: one
+    [B, T, V] more than token_logprob keeps. With donate, backward writes the gradient into them, block by block,
+    each block read before it is written: the [B, T, V] gradient it would allocate is the reference's logits, and
+    the step holds no more than loo's (docs/scale.md)."""
 
     @staticmethod
-    def forward(ctx, logits, ref_logits, tokens, rows, ref_rows):
+    def forward(ctx, logits, ref_logits, tokens, rows, donate):
         acc = _accum_dtype(logits.dtype)
         blocks = _row_blocks(logits.shape, rows)
         lse = torch.empty(logits.shape[:2], dtype=acc, device=logits.device)  # [B, T]
@@ -204,29 +208,29 @@ class _TokenScores(torch.autograd.Function):
             lse_q[i] = r.amax(-1) - logq.amax(-1)
             kappa[i] = logp.exp().mul_(logp.sub_(logq)).sum(-1)  # as exact_token_kl
         # backward's log p - log q - kappa = z - r - shift, with no log-softmax of either model
-        shift = (lse.double() - lse_q.double() + kappa.double()).to(acc)  # [B, T]
-        ctx.save_for_backward(logits, tokens, lse, shift, *(() if ref_rows else (ref_logits,)))
-        ctx.blocks, ctx.ref_rows = blocks, ref_rows
+        shift = lse - lse_q + kappa  # [B, T]
+        ctx.save_for_backward(logits, ref_logits, tokens, lse, shift)
+        ctx.blocks = blocks
+        ctx.donate = donate and ref_logits.dtype == logits.dtype and ref_logits.is_contiguous()
         return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(acc) - lse, kappa
 
     @staticmethod
     def backward(ctx, g_logp, g_kappa):
-        logits, tokens, lse, shift, *ref = ctx.saved_tensors
-        ref_rows = ctx.ref_rows or ref[0].__getitem__
-        grad = torch.empty_like(logits)  # [B, T, V]
+        logits, ref_logits, tokens, lse, shift = ctx.saved_tensors
+        grad = ref_logits if ctx.donate else torch.empty_like(logits)  # [B, T, V]
         for i in ctx.blocks:
             x = logits[i].to(lse.dtype)  # [c, V]
             p = (x - lse[i].unsqueeze(-1)).exp_()  # [c, V]
             # d kappa / d z = p (log p - log q - kappa); d logp(y) / d z = onehot(y) - p (the onehot added below):
-            # together p (g_kappa (z - r - shift) - g_logp), in place on one working block
-            same = grad.dtype == p.dtype  # then the last product is written into grad itself: no copy
+            # together p (g_kappa (z - r - shift) - g_logp); the last product is written into grad's block
+            same = grad.dtype == p.dtype
             out = grad[i] if same else torch.empty_like(p)  # [c, V]
             if g_kappa is None:
                 torch.mul(p, -g_logp[i].unsqueeze(-1), out=out)
             else:  # g_kappa (z - r) - (g_kappa shift + g_logp): the per-row constants folded into one [c]
                 c = shift[i] * g_kappa[i] + (g_logp[i] if g_logp is not None else 0)  # [c]
-                d = torch.sub(x, ref_rows(i).to(lse.dtype)).mul_(g_kappa[i].unsqueeze(-1)).sub_(c.unsqueeze(-1))
-                torch.mul(d, p, out=out)
+                d = torch.sub(x, ref_logits[i].to(lse.dtype)).mul_(g_kappa[i].unsqueeze(-1)).sub_(c.unsqueeze(-1))
+                torch.mul(d, p, out=out)  # d is read whole before out (the reference's block, if donated) is written
             if not same:
                 grad[i] = out
         if g_logp is not None:
@@ -235,13 +239,13 @@ class _TokenScores(torch.autograd.Function):
 
 
 def token_scores(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor,
-                 mask: torch.Tensor, ref_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor, donate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t) [B, T], kappa_t [B, T]): token_logprob(logits, tokens) and exact_token_kl(logits, ref_logits,
     mask), both differentiable in logits, with one [B, T, V] gradient between them. kappa is 0 off the mask.
-    ref_rows: i -> ref_logits[i] for a row block i of [B, T] (klbench.models.head): backward reads it instead of
-    keeping ref_logits."""
+    donate: ref_logits are the caller's to give up: backward overwrites them with the gradient (where dtype and
+    layout allow), so nothing may read them after backward."""
     logp, kappa = _TokenScores.apply(logits, ref_logits.detach(), tokens,
-                                      default_chunk_rows(logits.shape[-1], logits.device), ref_rows)
+                                      default_chunk_rows(logits.shape[-1], logits.device), donate)
     kappa = torch.where(mask, kappa, torch.zeros((), dtype=kappa.dtype, device=kappa.device))
     if not torch.isfinite(kappa).all():  # as exact_token_kl: a non-finite logit on a real token
         raise ValueError("KLBatch.logits or ref_logits has non-finite values on masked-in tokens")

@@ -159,7 +159,7 @@ def target_ref(sampling: Sampling, target: str, dtype: torch.dtype):
 def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
                  sampling: Sampling, target: str, group: torch.Tensor | None = None,
                  behaviour_logp: torch.Tensor | None = None, chunk_rows: int | None = None,
-                 kappa: bool = False, ref_rows=None) -> KLBatch:
+                 kappa: bool = False, donate_ref: bool = False) -> KLBatch:
     """The KLBatch of `target` for responses `tokens` [B, T] drawn by `sampling` from `logits` [B, T, V].
 
     target=model (sampling not plain): old_logp = log pi_s(y), from `behaviour_logp` [B, T] when the sampler
@@ -167,15 +167,15 @@ def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.T
     the scorer's arithmetic), else from these logits.
     kappa: also the exact per-position KL (KLBatch.token_kl), with logp in one pass (token_scores), for an
     estimator that differentiates it (Estimator.kappa_gradient); else KLBatch.kappa computes it on first use.
-    ref_rows: i -> ref_logits[i] for a row block i of [B, T], computed again (klbench.models.head), so that
-    kappa's backward need not keep the reference's [B, T, V] logits.
+    donate_ref: ref_logits are the caller's to give up (LMPolicy's, computed for this batch): kappa's backward
+    writes the gradient into them instead of a [B, T, V] of its own (token_scores), so nothing may read them, or
+    the batch's ref_logits, after backward. A reference target_pair made (tempered targets) is always given up.
     """
     check_target(sampling, target)
     pol, ref = target_pair(logits, ref_logits, sampling, target)
     token_kl = None
     if kappa:
-        rows = None if ref_rows is None else (lambda i, f=target_ref(sampling, target, logits.dtype): f(ref_rows(i)))
-        logp, token_kl = token_scores(pol, ref, tokens, mask, ref_rows=rows)
+        logp, token_kl = token_scores(pol, ref, tokens, mask, donate=donate_ref or ref is not ref_logits)
     else:
         logp = token_logprob(pol, tokens)
     ref_logp = token_logprob(ref, tokens)

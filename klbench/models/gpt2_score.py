@@ -41,7 +41,7 @@ def gpt2_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, keep: i
         h = m.act(torch.addmm(m.c_fc.bias, h.view(B * T, C), m.c_fc.weight))  # [B * T, 4C]
         x = x + torch.addmm(m.c_proj.bias, h, m.c_proj.weight).view(B, T, C)
     x = tr.ln_f(x[:, -keep:] if isinstance(keep, int) else x[:, keep])  # row-wise: the same bits as all, sliced
-    return model.lm_head(x)  # [B, keep, V]; the module, not its weight: klbench.models.head hooks it
+    return F.linear(x, model.lm_head.weight)  # [B, keep, V]
 
 
 def sdpa_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:

@@ -27,7 +27,6 @@ from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
 from klbench.models import gpt2_decode
 from klbench.models.gpt2_score import gpt2_logits, sdpa_mask
-from klbench.models.head import logits_and_rows
 from klbench.models.rollout import PLAIN, SAMPLERS, Sampler, attention_backends, position_ids_from_mask, stop_ids
 
 
@@ -215,13 +214,12 @@ class LMPolicy(Policy):
         return Rollout(torch.cat([ids, resp], 1), torch.cat([attn, mask.long()], 1), ids.shape[1], mask, group, texts,
                        [p for p in prompts for _ in range(n)], sample_logp=s.logp)
 
-    def _logits(self, model, ro: Rollout, pos: torch.Tensor, mask: torch.Tensor | None) -> tuple:
-        """([B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2), rows): rows(i) computes
-        logits[i] again from the model's last hidden states (klbench.models.head), or None."""
+    def _logits(self, model, ro: Rollout, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """[B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2)."""
         T, L = ro.tokens.shape[1], ro.mask.shape[1]
         # the LM head projects those L positions only: not the prompt's, and not the last one, whose logits no
         # response token reads (sliced off, they cost a [B, L + 1, V] gradient of the slice in backward, zeroed
-        # and copied). A model that ignores logits_to_keep returns all positions: logits_and_rows slices them.
+        # and copied). A model that ignores logits_to_keep returns all positions: the L before the last are taken.
         # A plain GPT-2 takes the same bits without transformers' layers, unless they are to checkpoint
         if gpt2_decode.unsupported(model) is None and not (self.checkpointing and model is self.model):
             run = lambda: gpt2_logits(model, ro.tokens, pos, slice(T - L - 1, T - 1), mask)  # noqa: E731
@@ -231,7 +229,8 @@ class LMPolicy(Policy):
             keep = torch.arange(T - L - 1, T - 1, device=ro.tokens.device)  # [L]
             run = lambda: model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos,  # noqa: E731
                                 logits_to_keep=keep, use_cache=False).logits
-        return logits_and_rows(model, run, L)
+        logits = run()
+        return logits if logits.shape[1] == L else logits[:, -(L + 1):-1]
 
     def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
         if micro_batch_size is None or micro_batch_size >= ro.tokens.shape[0]:
@@ -263,14 +262,14 @@ class LMPolicy(Policy):
         pos = position_ids_from_mask(ro.attention)  # [B, P + L]
         mask = sdpa_mask(ro.attention)  # [B, 1, P + L, P + L] or None: for a plain GPT-2 (gpt2_score.py)
         with attention_backends(pos.device):  # a new [B, P + L] every step: no cuDNN planning on CUDA
-            logits, _ = self._logits(self.model, ro, pos, mask)  # [B, L, V], differentiable
+            logits = self._logits(self.model, ro, pos, mask)  # [B, L, V], differentiable
             with torch.no_grad():
-                # ref_rows: rb's backward projects the reference's hidden states again instead of keeping these
-                ref_logits, ref_rows = self._logits(self.ref, ro, pos, mask)  # [B, L, V]
+                ref_logits = self._logits(self.ref, ro, pos, mask)  # [B, L, V]
         resp = ro.tokens[:, ro.prompt_len:]  # [B, L]
-        # at plain sampling the logits pass through untouched: the batch of a T = 1 run, as before
+        # at plain sampling the logits pass through untouched: the batch of a T = 1 run, as before. The reference's
+        # logits are this batch's alone: rb's backward writes its gradient into them (donate_ref)
         return target_batch(logits, ref_logits, resp, ro.mask, self.sampling, self.kl_target, group=ro.group,
-                            behaviour_logp=ro.sample_logp, kappa=kappa, ref_rows=ref_rows)
+                            behaviour_logp=ro.sample_logp, kappa=kappa, donate_ref=True)
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
