@@ -136,24 +136,15 @@ def target_pair(logits: torch.Tensor, ref_logits: torch.Tensor, sampling: Sampli
     at plain sampling). Differentiable in `logits`; cut tokens get `excluded(dtype)`."""
     if sampling.is_plain or target == "model":
         return logits, ref_logits
-    pol, ref = _up(logits, logits.dtype) / sampling.temperature, target_ref(sampling, target, logits.dtype)(ref_logits)
+    t = sampling.temperature
+    up = (lambda x: x.float()) if logits.dtype != torch.float64 else (lambda x: x)
+    pol, ref = up(logits) / t, up(ref_logits)
+    if target == "tempered_vs_raw":
+        return pol, ref
+    ref = ref / t
     if target == "sampler" and sampling.truncates:  # the policy as sampled; the reference keeps its whole vocabulary
         pol = pol.masked_fill(~sampling.keep(logits), excluded(pol.dtype))  # the cut held fixed: piecewise constant
     return pol, ref
-
-
-def _up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if dtype == torch.float64 else x.float()  # tempered logits in float32 (float64 stays)
-
-
-def target_ref(sampling: Sampling, target: str, dtype: torch.dtype):
-    """[..., V] -> [..., V]: the target's reference logits from the raw reference's (target_pair's second
-    half), for policy logits of `dtype`: as they are at plain sampling and for `model`, else upcast and
-    divided by the temperature (`tempered_vs_raw`: upcast only)."""
-    if sampling.is_plain or target == "model":
-        return lambda x: x
-    t = 1 if target == "tempered_vs_raw" else sampling.temperature
-    return (lambda x: _up(x, dtype)) if t == 1 else (lambda x: _up(x, dtype) / t)
 
 
 def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,

@@ -222,14 +222,13 @@ class LMPolicy(Policy):
         # and copied). A model that ignores logits_to_keep returns all positions: the L before the last are taken.
         # A plain GPT-2 takes the same bits without transformers' layers, unless they are to checkpoint
         if gpt2_decode.unsupported(model) is None and not (self.checkpointing and model is self.model):
-            run = lambda: gpt2_logits(model, ro.tokens, pos, slice(T - L - 1, T - 1), mask)  # noqa: E731
+            logits = gpt2_logits(model, ro.tokens, pos, slice(T - L - 1, T - 1), mask)
         else:
             # no KV cache: scoring never reads one, and a layer that writes it would write it again when
             # checkpointing recomputes the layer (GPT-2's does, whatever transformers' checkpointing turns off)
             keep = torch.arange(T - L - 1, T - 1, device=ro.tokens.device)  # [L]
-            run = lambda: model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos,  # noqa: E731
-                                logits_to_keep=keep, use_cache=False).logits
-        logits = run()
+            logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos,
+                           logits_to_keep=keep, use_cache=False).logits
         return logits if logits.shape[1] == L else logits[:, -(L + 1):-1]
 
     def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
