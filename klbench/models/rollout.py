@@ -41,6 +41,7 @@ import torch
 
 from klbench.estimators.sampling import Sampling
 from klbench.models.gpt2_decode import gpt2_decoder
+from klbench.models.rotary_decode import rotary_decoder
 
 PLAIN = Sampling()
 
@@ -163,7 +164,8 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_
                          "(pip install -U 'transformers>=5.24'), or, for a folder's own code "
                          "(model.trust_remote_code=true), load the architecture transformers ships "
                          "(model.trust_remote_code=false)")
-    decode = (gpt2_decoder(model, cache, mask, P + max_new_tokens) if fused else None) or \
+    total = P + max_new_tokens
+    decode = (fused and (gpt2_decoder(model, cache, mask, total) or rotary_decoder(model, cache, mask, total))) or \
         _ForwardStep(model, cache, mask)
     logits = out.logits[:, -1]  # [B, V]
     del out, cache  # the prefill's logits and cache: the decoder holds what it needs
