@@ -7,7 +7,8 @@ On the issue-22 peer job's shapes (8 prompts x 4 samples x 32 new tokens; the ti
 scripts/bench_trl_peer.py builds under outputs/.bench, or any causal LM folder with --model), interleaved
 round by round so that a change in the machine's load hits every variant alike:
 - a rollout through generate(), through klbench's loop decoding with the model's forward (fused=False), and
-  with the fused GPT-2 step (the default); EOS is an id outside the vocabulary, so every rollout runs all
+  with klbench's own step (the default: the fused GPT-2 step, or for a Llama, Mistral, Qwen2 or Qwen3 the
+  rotary step of klbench/models/rotary_decode.py); EOS is an id outside the vocabulary, so every rollout runs all
   32 steps. The three must draw
   the same tokens under one seed: the script stops if they do not;
 - the sampling noise for one step: Tensor.exponential_() against exp_noise (the same bits);
@@ -107,7 +108,7 @@ def main() -> None:
 
     rollouts = {"generate()": draw(generate_sample),
                 "kv_cache_sample, model's forward (fused=False)": draw(kv_cache_sample, fused=False),
-                "kv_cache_sample, fused GPT-2 step (default)": draw(kv_cache_sample)}
+                "kv_cache_sample, klbench's step (default)": draw(kv_cache_sample)}
     tokens = [fn() for fn in rollouts.values()]
     if not all(torch.equal(t, tokens[0]) for t in tokens):
         sys.exit("bench_rollout: the three samplers drew different tokens under one seed")

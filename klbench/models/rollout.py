@@ -12,7 +12,8 @@ a run then regularises is its KL target (klbench/estimators/sampling.py, docs/sa
 as generate(do_sample=True, temperature=T, top_k=k, top_p=p) does in transformers 5.x: the same logits
 (left-padded prefill with positions counted from each row's first real token, the mask dropped when nothing
 is padded, logits of the last position only; a plain GPT-2 decodes with klbench/models/gpt2_decode.py, the
-same bits in half the time), the same warpers, and multinomial's own arithmetic on the same draws. Under one
+same bits in half the time, and a Llama, Mistral, Qwen2 or Qwen3 with klbench/models/rotary_decode.py, the same
+bits through the model's own modules), the same warpers, and multinomial's own arithmetic on the same draws. Under one
 seed the tokens are identical (tests/test_rollout.py), and the RNG stream after a rollout is too, so a run's
 later steps do not move either. Every id of `eos_ids` ends a row (instruct models list several: Llama-3.1's
 [128001, 128008, 128009]), as generate(eos_token_id=[...]) does.
@@ -88,7 +89,8 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     tokens do not depend on it. One thread was 12x faster on a heavily loaded 2-core machine and up to
     15% slower on a quieter one (docs/embedded.md, "Rollouts"), so the default leaves it to the process.
     fused: decode a plain GPT-2 with klbench's own step (klbench/models/gpt2_decode.py: the same logits,
-    about half the time); other models, or fused=False, decode through the model's forward.
+    about half the time), a Llama, Mistral, Qwen2 or Qwen3 with rotary_decode.py's (the same logits through
+    the model's own modules); other models, or fused=False, decode through the model's forward.
     """
     if max_new_tokens < 1:
         raise ValueError(f"kv_cache_sample: max_new_tokens must be >= 1, got {max_new_tokens}")
