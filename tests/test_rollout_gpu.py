@@ -22,6 +22,7 @@ from klbench.models.rollout import generate_sample, kv_cache_sample
 # the CPU test's prompts, batch, stand-in EOS and its model fixtures, reused rather than copied
 from test_rollout import (EMBEDDED, PROMPTS, _batch, _frequent_token, _scored_both_ways,  # noqa: F401
                           embedded_dir, gpt2_dir)
+from test_rotary_decode import _steps_agree
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")]
@@ -165,3 +166,12 @@ def test_same_tokens_as_generate_on_cuda_under_sampling(fused, precision, gpt2_d
         torch.manual_seed(0)
         got = kv_cache_sample(model, ids, attn, 20, stops, tok.pad_token_id, s, fused=fused)
     assert torch.equal(got.tokens, ref), _where_they_differ(got.tokens, ref)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_rotary_step_gives_the_forward_bits_on_cuda(arch, dtype, padded, tiny_arch):
+    """klbench/models/rotary_decode.py's step on CUDA: the forward's logits, bit for bit, at every step."""
+    model, tok = load_causal_lm(tiny_arch(arch)[0], dtype)
+    _steps_agree(model, tok, padded, device="cuda")

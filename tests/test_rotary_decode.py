@@ -37,9 +37,10 @@ def _folder(arch, tiny_arch, wide_mistral):
     return wide_mistral if arch == "mistral" else tiny_arch(arch)[0]
 
 
-def _steps_agree(model, tok, padded: bool, lora_off: bool = False):
+def _steps_agree(model, tok, padded: bool, lora_off: bool = False, device: str = "cpu"):
     """Decode NEW random tokens through the step and through model(...) over one prefill: equal logits each step."""
-    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    model.to(device)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True).to(device)
     ids, attn = enc.input_ids, enc.attention_mask
     if not padded:
         ids, attn = ids[:, -3:], attn[:, -3:]  # the prompts' last 3 tokens: nothing padded, no mask
@@ -54,7 +55,7 @@ def _steps_agree(model, tok, padded: bool, lora_off: bool = False):
         assert step is not None, unsupported(model, ids.shape[1] + 40)
         cache, p = out.cache, pos[:, -1]
         for _ in range(NEW):
-            t = torch.randint(0, model.config.vocab_size, (ids.shape[0],), generator=gen)
+            t = torch.randint(0, model.config.vocab_size, (ids.shape[0],), generator=gen).to(device)
             p = p + 1
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(len(mask), 1)], 1)
