@@ -129,20 +129,28 @@ def test_policy_rollouts_equal_with_either_sampler(embedded_dir, single_thread):
 def test_fused_step_gives_the_forward_bits(gpt2_dir, dtype, padded, single_thread):
     """klbench's GPT-2 decode step against the model's forward over the same prefill: the same logits, bit for
     bit, at every step (a wider buffer than the steps need: attention reads only the positions filled)."""
-    import copy
     model, tok = load_causal_lm(gpt2_dir, dtype)
     ids, attn = _batch(tok, n=2)
     if not padded:
         ids, attn = ids[:, -1:], attn[:, -1:]  # one token per prompt: nothing padded, no mask
+    decode_matches_forward(model, gpt2_decoder, ids, attn)
+
+
+def decode_matches_forward(model, decoder, ids, attn, steps: int = 12):
+    """Over one prefill of ids/attn ([B, P], padded or not), decode `steps` random tokens through
+    decoder(model, cache, mask, total_len) and through model(...): the same logits, bit for bit, at each step (a
+    wider buffer than the steps need: attention reads only the positions filled)."""
+    import copy
     pos = position_ids_from_mask(attn)
-    mask = attn if padded else None
+    mask = attn if bool((attn == 0).any()) else None  # nothing padded: no mask, as the sampler passes
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        step = gpt2_decoder(model, copy.deepcopy(out.cache), mask, ids.shape[1] + 40)
+        step = decoder(model, copy.deepcopy(out.cache), mask, ids.shape[1] + 40)
+        assert step is not None
         cache, p = out.cache, pos[:, -1]
-        for _ in range(12):
-            t = torch.randint(0, model.config.vocab_size, (ids.shape[0],), generator=gen)
+        for _ in range(steps):
+            t = torch.randint(0, model.config.vocab_size, (ids.shape[0],), generator=gen).to(ids.device)
             p = p + 1
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(len(mask), 1)], 1)

@@ -4,18 +4,18 @@ a Mistral whose window covers the rollout), float32 and bfloat16, padded or not,
 off; every other architecture keeps the forward and is told why."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 
 from klbench.models.hf import load_causal_lm
-from klbench.models.rollout import kv_cache_sample, position_ids_from_mask
+from klbench.models.rollout import kv_cache_sample
 from klbench.models.rotary_decode import rotary_decoder, unsupported
-from tiny_lms import save_tiny_arch
+from test_rollout import decode_matches_forward
 
 PROMPTS = ["The movie", "I did not like it at all, the plot was thin"]
-NEW = 12
 
 
 @pytest.fixture(scope="module")
@@ -38,32 +38,17 @@ def _folder(arch, tiny_arch, wide_mistral):
 
 
 def _steps_agree(model, tok, padded: bool, lora_off: bool = False, device: str = "cpu"):
-    """Decode NEW random tokens through the step and through model(...) over one prefill: equal logits each step."""
+    """The step's logits against model(...)'s at each of 12 steps over one prefill of PROMPTS (padded) or of their
+    last 3 tokens (nothing padded), on `device`; lora_off: with the peft adapter disabled."""
     model.to(device)
     enc = tok(PROMPTS, return_tensors="pt", padding=True).to(device)
     ids, attn = enc.input_ids, enc.attention_mask
     if not padded:
-        ids, attn = ids[:, -3:], attn[:, -3:]  # the prompts' last 3 tokens: nothing padded, no mask
+        ids, attn = ids[:, -3:], attn[:, -3:]
     assert bool((attn == 0).any()) == padded
-    pos = position_ids_from_mask(attn)
-    mask = attn if padded else None
-    gen = torch.Generator().manual_seed(0)
-    ctx = model.disable_adapter() if lora_off else torch.inference_mode()
-    with ctx, torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        step = rotary_decoder(model, copy.deepcopy(out.cache), mask, ids.shape[1] + 40)
-        assert step is not None, unsupported(model, ids.shape[1] + 40)
-        cache, p = out.cache, pos[:, -1]
-        for _ in range(NEW):
-            t = torch.randint(0, model.config.vocab_size, (ids.shape[0],), generator=gen).to(device)
-            p = p + 1
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(len(mask), 1)], 1)
-            ref = model(input_ids=t[:, None], cache=cache, attention_mask=mask, position_ids=p[:, None],
-                        use_cache=True, logits_to_keep=1)
-            cache = ref.cache
-            got = step(t, p)
-            assert torch.equal(got, ref.logits[:, -1])
+    assert unsupported(model, ids.shape[1] + 40) is None
+    with model.disable_adapter() if lora_off else contextlib.nullcontext():
+        decode_matches_forward(model, rotary_decoder, ids, attn)
 
 
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
