@@ -169,9 +169,11 @@ def test_same_tokens_as_generate_on_cuda_under_sampling(fused, precision, gpt2_d
 
 
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_rotary_step_gives_the_forward_bits_on_cuda(arch, dtype, padded, tiny_arch):
-    """klbench/models/rotary_decode.py's step on CUDA: the forward's logits, bit for bit, at every step."""
-    model, tok = load_causal_lm(tiny_arch(arch)[0], dtype)
-    _steps_agree(model, tok, padded, device="cuda")
+def test_rotary_step_gives_the_forward_bits_on_cuda(arch, precision, padded, tiny_arch):
+    """klbench/models/rotary_decode.py's step on CUDA: the forward's logits, bit for bit, at every step, in
+    float32, bfloat16 and under bf16 autocast (hardware=bf16)."""
+    model, tok, forward_ctx = _load(tiny_arch(arch)[0], precision)
+    with forward_ctx():
+        _steps_agree(model, tok, padded, device="cuda")
