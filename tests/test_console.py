@@ -315,3 +315,28 @@ def test_klbench_log_on_a_full_disk_stops_with_one_line(tmp_path, monkeypatch):
     assert lines == [f"klbench: warning: {log} is no longer written (No space left on device); "
                      "the console still shows everything", "to stderr"], lines
     assert handlers[1].level > logging.CRITICAL and handlers[1].stream is None
+
+
+# main() in a process that goes on afterwards: the collector's state once it returns or exits
+AFTER_MAIN = """
+import gc, sys
+from klbench.cli import main
+try:
+    main()
+except SystemExit as e:
+    print("EXIT", e.code)
+print("GC", gc.isenabled(), gc.get_freeze_count() > 0)
+"""
+
+
+@pytest.mark.parametrize("overrides,exit_line", [(["logger=none"], None),
+                                                (["task.lr=-1"], "EXIT klbench: error: task.lr must be")],
+                         ids=["run", "refused"])
+def test_one_job_freezes_the_import_time_objects_and_gives_the_collector_back(tmp_path, overrides, exit_line):
+    """A single job (klbench.cli.main) keeps Python's cyclic collector off while torch and Lightning import,
+    then freezes their objects out of it; whatever way the job ends, the collector is on again after."""
+    outputs = tmp_path / "outputs"
+    proc = subprocess.run([sys.executable, "-c", AFTER_MAIN, *TINY, *overrides], cwd=tmp_path,
+                          env=cli_env(outputs), capture_output=True, text=True, timeout=300)
+    assert "GC True True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert ("EXIT" not in proc.stdout) if exit_line is None else (exit_line in proc.stdout)
