@@ -17,7 +17,8 @@ round by round so that a change in the machine's load hits every variant alike:
   tokenizer's EOS, scoring, estimate=loo, backward, AdamW; torch's profiler, self time of every aten:: op,
   nothing of the Python between them, less all the wall time the profiler adds to a step) and the job's
   reward (VADER, on the step's responses), times 50, plus a process that only imports torch, torch._dynamo
-  (torch.optim's step imports it) and transformers and loads the model. No implementation of this job that
+  (torch.optim's step imports it) and transformers and loads the model (the cyclic garbage collector off, and
+  the objects frozen before exit, as klbench.cli does for a single job). No implementation of this job that
   draws generate()'s samples with these kernels runs faster; scripts/bench_trl_peer.py gives TRL's time.
 Prints the machine, the threads, the load average, each variant's median and its ratio to the first.
 """
@@ -170,8 +171,11 @@ def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
     calls = sum(e.count for e in ops) / rounds
     # the profiler's own cost, all of it counted against the ops: what it adds to a step's wall time
     op_ms = sum(e.self_cpu_time_total for e in ops) / rounds / 1e3 - max(0.0, profiled_ms - wall_ms)
-    code = ("import torch, torch._dynamo, klbench.models\nfrom transformers import AutoModelForCausalLM\n"
-            f"AutoModelForCausalLM.from_pretrained({model_dir!r})")
+    # with Python's cyclic collector kept out of it as klbench.cli keeps it (off while importing, the imports'
+    # objects frozen before exit): without that the same process spends about 2 s in collections that free nothing
+    code = ("import gc; gc.disable()\nimport torch, torch._dynamo, klbench.models\n"
+            f"from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained({model_dir!r})\n"
+            "gc.freeze()")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     loads = []
     for _ in range(3):
