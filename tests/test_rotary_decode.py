@@ -81,6 +81,14 @@ def test_other_models_keep_the_forward_and_say_why(arch, why, tiny_arch):
     assert rotary_decoder(model, None, None, 40) is None
 
 
+def test_prompt_learning_adapters_keep_the_forward(tiny_arch):
+    """A prefix-tuning adapter adds virtual keys and values in the forward, which the step would miss."""
+    import peft
+    model, _ = load_causal_lm(tiny_arch("llama")[0])
+    prefixed = peft.get_peft_model(model, peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    assert "PrefixTuningConfig adapter" in unsupported(prefixed, 40)
+
+
 def test_eager_attention_and_rewired_layers_keep_the_forward(tiny_arch):
     from transformers import AutoModelForCausalLM
     eager = AutoModelForCausalLM.from_pretrained(tiny_arch("llama")[0], attn_implementation="eager")

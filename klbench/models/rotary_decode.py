@@ -41,6 +41,9 @@ def _base(model):
 
 def unsupported(model, total_len: int) -> str | None:
     """Why the step cannot stand in for `model`'s forward over `total_len` positions (None: it can)."""
+    peft = getattr(model, "active_peft_config", None)
+    if peft is not None and getattr(peft, "is_prompt_learning", False):
+        return f"a {type(peft).__name__} adapter: its virtual tokens enter through the model's forward"
     base = _base(model)
     name = type(base).__name__
     if name not in ARCHITECTURES:
