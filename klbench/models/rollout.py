@@ -12,10 +12,10 @@ a run then regularises is its KL target (klbench/estimators/sampling.py, docs/sa
 as generate(do_sample=True, temperature=T, top_k=k, top_p=p) does in transformers 5.x: the same logits
 (left-padded prefill with positions counted from each row's first real token, the mask dropped when nothing
 is padded, logits of the last position only; a plain GPT-2 decodes with klbench/models/gpt2_decode.py, the
-same bits in half the time, and a Llama, Mistral, Qwen2 or Qwen3 with klbench/models/rotary_decode.py, the same
-bits through the model's own modules), the same warpers, and multinomial's own arithmetic on the same draws. Under one
-seed the tokens are identical (tests/test_rollout.py), and the RNG stream after a rollout is too, so a run's
-later steps do not move either. Every id of `eos_ids` ends a row (instruct models list several: Llama-3.1's
+same bits in half the time, and a Llama, Mistral, Qwen2 or Qwen3 with klbench/models/rotary_decode.py, the
+same bits through the model's own modules), the same warpers, and multinomial's own arithmetic on the same
+draws. Under one seed the tokens are identical (tests/test_rollout.py), and the RNG stream after a rollout is
+too, so a run's later steps do not move either. Every id of `eos_ids` ends a row (instruct models list several: Llama-3.1's
 [128001, 128008, 128009]), as generate(eos_token_id=[...]) does.
 
 Where the time went on CPU (the peer job of docs/running.md, 32 rows x 2,000 tokens): the Exp(1)
@@ -167,8 +167,8 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_
                          "(model.trust_remote_code=true), load the architecture transformers ships "
                          "(model.trust_remote_code=false)")
     total = P + max_new_tokens
-    decode = (fused and (gpt2_decoder(model, cache, mask, total) or rotary_decoder(model, cache, mask, total))) or \
-        _ForwardStep(model, cache, mask)
+    own = fused and (gpt2_decoder(model, cache, mask, total) or rotary_decoder(model, cache, mask, total))
+    decode = own or _ForwardStep(model, cache, mask)
     logits = out.logits[:, -1]  # [B, V]
     del out, cache  # the prefill's logits and cache: the decoder holds what it needs
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)  # [B] rows past their stop id
