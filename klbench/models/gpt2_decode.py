@@ -11,14 +11,16 @@ norms, Conv1D's addmm, SDPA over the keys so far with the same boolean padding m
 activation module, the tied LM head), so the logits are the same bits (tests/test_rollout.py checks
 them step by step, float32 and bfloat16), and it takes about half the time.
 
-Keys and values go into buffers sized for the whole rollout ([B, H, total_len, D] a layer), filled by
-the prefill's cache; attention reads the first t + 1 positions, the same reduction length as the
-growing cache of transformers, so the bits do not change with the buffer's size.
+Keys and values go into buffers sized for the whole rollout (klbench/models/kv_buffers.py); attention reads
+the first t + 1 positions, the same reduction length as the growing cache of transformers, so the bits do not
+change with the buffer's size.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from klbench.models.kv_buffers import preallocate
 
 
 def unsupported(model) -> str | None:
@@ -65,19 +67,8 @@ class _GPT2Step:
         self.C, self.H = cfg.n_embd, cfg.n_head
         self.D = self.C // self.H
         self.blocks = list(tr.h)
-        self.t = cache.get_seq_length()  # positions filled so far
-        keys = cache.layers[0].keys  # [B, H, P, D]
-        B = keys.shape[0]
-        self.k, self.v = [], []  # per layer [B, H, total_len, D]
-        for layer in cache.layers:
-            for store, filled in ((self.k, layer.keys), (self.v, layer.values)):
-                buf = keys.new_empty(B, self.H, total_len, self.D)
-                buf[:, :, : self.t] = filled
-                store.append(buf)
-        self.mask = None  # [B, 1, 1, total_len] True where attended
-        if attention_mask is not None:
-            self.mask = torch.ones(B, 1, 1, total_len, dtype=torch.bool, device=keys.device)
-            self.mask[:, 0, 0, : self.t] = attention_mask.bool()
+        # keys, values per layer [B, H, total_len, D]; mask [B, 1, 1, total_len] or None
+        self.t, self.k, self.v, self.mask = preallocate(cache, attention_mask, total_len)
 
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """tok, pos: [B] the last sampled token and its position. Returns [B, V] next-token logits."""

@@ -13,18 +13,20 @@ transformers' own apply_rotary_pos_emb and SDPA attention function), so the logi
 (tests/test_rotary_decode.py, float32 and bfloat16, padded or not), and so it is generic in what the modules do:
 a LoRA-wrapped projection, a Qwen3's q_norm/k_norm, any RoPE variant the model's rotary module computes. Only the
 layer's wiring is written here, which is why the model class must be one of ARCHITECTURES: those whose forward
-does nothing between the layers that this wiring would miss (Gemma scales its embeddings and adds norms, Phi3
-fuses its projections; they and anything else keep the model's forward).
+does nothing between the layers that this wiring would miss (in transformers 5.24.0 Gemma 2 and 3 add norms
+around each sublayer and soft-cap their logits, Phi3 fuses its projections; they and anything else keep the
+model's forward).
 
-Keys and values go into buffers sized for the whole rollout ([B, H_kv, total_len, D] a layer), filled from the
-prefill's cache; attention reads the first t + 1 positions, the same reduction length as transformers' growing
-cache, so the bits do not depend on the buffer's size (klbench/models/gpt2_decode.py does the same for GPT-2).
+Keys and values go into buffers sized for the whole rollout, as GPT-2's step has them
+(klbench/models/kv_buffers.py).
 """
 from __future__ import annotations
 
 import sys
 
 import torch
+
+from klbench.models.kv_buffers import preallocate
 
 # causal LMs whose forward is embed -> rotary -> [pre-norm attention, pre-norm MLP] x N -> norm -> LM head
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -82,18 +84,8 @@ class _RotaryStep:
         self.model, self.inner, self.attend = model, model.model, sdpa_attention_forward
         # the very apply_rotary_pos_emb the model's attention calls (each modeling file has its own)
         self.rope = sys.modules[type(self.inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
-        self.t = cache.get_seq_length()  # positions filled so far
-        keys = cache.layers[0].keys  # [B, H_kv, P, D]
-        self.k, self.v = [], []  # per layer [B, H_kv, total_len, D]
-        for layer in cache.layers:
-            for store, filled in ((self.k, layer.keys), (self.v, layer.values)):
-                buf = filled.new_empty(*filled.shape[:2], total_len, filled.shape[3])
-                buf[:, :, : self.t] = filled
-                store.append(buf)
-        self.mask = None  # [B, 1, 1, total_len] True where attended, as transformers' SDPA mask for one query
-        if attention_mask is not None:
-            self.mask = torch.ones(keys.shape[0], 1, 1, total_len, dtype=torch.bool, device=keys.device)
-            self.mask[:, 0, 0, : self.t] = attention_mask.bool()
+        # keys, values per layer [B, H_kv, total_len, D]; mask [B, 1, 1, total_len] or None
+        self.t, self.k, self.v, self.mask = preallocate(cache, attention_mask, total_len)
 
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """tok, pos: [B] the last sampled token and its position. Returns [B, V] next-token logits."""
