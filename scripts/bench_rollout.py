@@ -2,6 +2,7 @@
 docs/running.md, "Speed").
 
     python scripts/bench_rollout.py [--model PATH] [--rounds 15] [--threads N] [--steps 50] [--floor-only]
+    python scripts/bench_rollout.py --floor-only --steps 50     # the floor and the bare job only
 
 On the issue-22 peer job's shapes (8 prompts x 4 samples x 32 new tokens; the tiny GPT-2 that
 scripts/bench_trl_peer.py builds under outputs/.bench, or any causal LM folder with --model), interleaved
@@ -19,17 +20,25 @@ round by round so that a change in the machine's load hits every variant alike:
   reward (VADER, on the step's responses), times 50, plus a process that only imports torch, torch._dynamo
   (torch.optim's step imports it) and transformers and loads the model (the cyclic garbage collector off, and
   the objects frozen before exit, as klbench.cli does for a single job). No implementation of this job that
-  draws generate()'s samples with these kernels runs faster; scripts/bench_trl_peer.py gives TRL's time.
+  draws generate()'s samples with these kernels runs faster; scripts/bench_trl_peer.py gives TRL's time;
+- the bare job (with --floor-only): the same job as a plain script in a process of its own, timed start to exit:
+  the floor's step from Python, VADER, the job's gradient clipping and its two validations, no framework. What
+  klbench's whole process takes beyond it is Hydra's, Lightning's and klbench's own.
 Prints the machine, the threads, the load average, each variant's median and its ratio to the first.
 """
 from __future__ import annotations
+
+import gc
+import sys
+
+if "--bare-job" in sys.argv:  # the bare job keeps the collector out of its imports, as klbench.cli does
+    gc.disable()
 
 import argparse
 import glob
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -70,7 +79,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--steps", type=int, default=50, help="training steps the floor is for (default 50)")
     p.add_argument("--floor-only", action="store_true",
-                   help="only the floor, ending with a line `floor_seconds S` (scripts/bench_trl_peer.py --floor)")
+                   help="only the floor and the bare job, ending with lines `floor_seconds S` and `bare_seconds S` "
+                        "(scripts/bench_trl_peer.py --floor)")
+    p.add_argument("--bare-job", action="store_true", help=argparse.SUPPRESS)  # the bare job's own process
     a = p.parse_args()
     if a.rounds < 1 or a.steps < 1:
         sys.exit("bench_rollout: --rounds and --steps must be >= 1")
@@ -81,6 +92,8 @@ def main() -> None:
                  "`python scripts/bench_trl_peer.py --pairs 1 --steps 1` once to build it, or pass --model")
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.bare_job:
+        return bare_job(model_dir, a.steps)
 
     from klbench.estimators import gradient_estimator
     from klbench.models.embedded import embedded_prompts
@@ -137,6 +150,52 @@ def main() -> None:
            interleaved({"estimator=loo": step("loo"), "estimator=rb": step("rb")}, a.rounds))
     floor(policy, model_dir, a.rounds, a.steps)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+
+
+def bare_job(model_dir: str, steps: int) -> None:
+    """The peer job as a plain script, for floor() to time as a whole process: klbench's policy and the floor's
+    training step, the job's reward (VADER), its gradient clipping and its two validations (32 held-out prompts
+    x 2 samples at step 0 and at the last step, scored for rb's val/seq_kl, in batches of 16 prompts as klbench's
+    val loader gives them); no Hydra, no Lightning, no config, no logging. Prints `bare_validation_seconds S`."""
+    from klbench.estimators import gradient_estimator, value_estimator
+    from klbench.models.embedded import embedded_prompts
+    from klbench.models.hf import load_causal_lm
+    from klbench.models.policies import LMPolicy
+    from klbench.models.rewards import VaderReward
+
+    model, tok = load_causal_lm(model_dir)
+    ref, _ = load_causal_lm(model_dir)
+    policy = LMPolicy(model, ref, tok, NEW_TOKENS)
+    gc.freeze()
+    gc.enable()
+    est, rb, vader = gradient_estimator("loo"), value_estimator("rb"), VaderReward()
+    opt = torch.optim.AdamW(policy.trainable(), lr=1e-4, weight_decay=0.0)
+    train, held_out = embedded_prompts("train")[:64], embedded_prompts("val")[:32]
+    val_s = 0.0
+
+    def validate() -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(1234)
+            for i in range(0, len(held_out), 16):
+                ro = policy.rollout(held_out[i:i + 16], 2)
+                vader.score_texts(ro.texts)
+                rb(policy.score(ro, None, kappa=True)).tolist()
+        return time.perf_counter() - t0
+
+    val_s += validate()
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        first = step * PROMPTS % len(train)
+        ro = policy.rollout(train[first:first + PROMPTS], SAMPLES)
+        vader.score_texts(ro.texts)
+        batch = policy.score(ro)
+        (est.estimate(batch).values.mean() - batch.masked_logp.sum(-1).mean()).backward()
+        torch.nn.utils.clip_grad_norm_(policy.trainable(), 1.0)
+        opt.step()
+    val_s += validate()
+    print(f"bare_validation_seconds {val_s:.3f}")
+    gc.freeze()
 
 
 def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
@@ -196,6 +255,17 @@ def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
     print(f"  floor: {load:.2f} s + {steps} x ({op_ms:.1f} + {reward_ms:.1f}) ms = {total:.1f} s: no Python but the "
           "reward's, no validation")
     print(f"floor_seconds {total:.3f}")
+    # the same job from Python: what the floor leaves out (the Python between the ops, the second model, the
+    # validations) and klbench does too; klbench's whole process adds only its framework on top
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, __file__, "--bare-job", "--model", model_dir, "--steps", str(steps)],
+                         check=True, env=env, capture_output=True, text=True).stdout
+    bare = time.perf_counter() - t0
+    val = float(out.split("bare_validation_seconds ")[1].split()[0])
+    print(f"\nthe bare job: the same {steps} steps as a plain script, whole process (Python between the ops, the "
+          f"reference model,\n  gradient clipping, the two validations: {val:.2f} s): {bare:.1f} s, "
+          f"{bare / total:.2f}x the floor")
+    print(f"bare_seconds {bare:.3f}")
 
 
 if __name__ == "__main__":

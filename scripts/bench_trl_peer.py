@@ -219,15 +219,16 @@ def run_klbench(model: str, prompts: tuple[Path, Path], steps: int, seed: int, w
     return {"wall": wall, "rss": rss, "reward_before": float(m[1]), "reward_end": float(m[2])}
 
 
-def run_floor(model: str, steps: int, work: Path, tag: str) -> float:
-    """The floor of klbench's side (scripts/bench_rollout.py --floor-only), run now, beside the pair."""
+def run_floor(model: str, steps: int, work: Path, tag: str) -> tuple[float, float]:
+    """The floor of klbench's side and the bare job (scripts/bench_rollout.py --floor-only), run now, beside the
+    pair: (floor s, bare job s)."""
     cmd = [sys.executable, str(Path(__file__).with_name("bench_rollout.py")), "--floor-only", "--model", model,
            "--steps", str(steps)]
     _, _, out = timed(cmd, work / f"{tag}.log", {**os.environ, "HF_HUB_OFFLINE": "1"})
-    m = re.search(r"^floor_seconds (\S+)", out, re.M)
-    if not m:
-        sys.exit(f"bench_trl_peer: no floor_seconds line in {work / f'{tag}.log'}")
-    return float(m[1])
+    found = [re.search(rf"^{key}_seconds (\S+)", out, re.M) for key in ("floor", "bare")]
+    if not all(found):
+        sys.exit(f"bench_trl_peer: no floor_seconds or bare_seconds line in {work / f'{tag}.log'}")
+    return float(found[0][1]), float(found[1][1])
 
 
 def run_trl(py: Path, model: str, prompts: Path, steps: int, seed: int, work: Path, tag: str) -> dict:
@@ -297,7 +298,9 @@ def main() -> None:
         floor = ""
         if a.floor:
             floors.append(run_floor(model, a.steps, work, f"pair{i}-floor"))
-            floor = f"; klbench's floor {floors[-1]:.1f} s, floor/TRL {floors[-1] / t['wall']:.2f}"
+            (f, bare), kw = floors[-1], k["wall"]
+            floor = (f"; klbench's floor {f:.1f} s (floor/TRL {f / t['wall']:.2f}, klbench/floor {kw / f:.2f}), "
+                     f"the bare job {bare:.1f} s (bare/floor {bare / f:.2f}, klbench/bare {kw / bare:.2f})")
         print(f"pair {i}: klbench {k['wall']:.1f} s ({k['rss']:.0f} MiB), TRL {t['wall']:.1f} s ({t['rss']:.0f} MiB), "
               f"klbench/TRL {k['wall'] / t['wall']:.2f}{floor}; reward at step {a.steps}: klbench "
               f"{k['reward_end']:+.3f}, TRL {t['reward_end']:+.3f}; load average {before} -> {load()}", flush=True)
@@ -306,9 +309,17 @@ def main() -> None:
     print(f"\nmedian wall-time ratio klbench/TRL: {statistics.median(ratios):.2f} "
           f"(pairs: {', '.join(f'{r:.2f}' for r in ratios)})")
     if floors:
-        under = [f / t["wall"] for f, (_, t) in zip(floors, rows)]
-        print(f"median floor/TRL: {statistics.median(under):.2f} (pairs: {', '.join(f'{r:.2f}' for r in under)}): "
-              "klbench's side with no Python but the reward's and no validation (scripts/bench_rollout.py)")
+        def medians(name: str, ratios: list[float], what: str) -> None:
+            print(f"median {name}: {statistics.median(ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in ratios)})"
+                  f"{what}")
+
+        medians("floor/TRL", [f / t["wall"] for (f, _), (_, t) in zip(floors, rows)],
+                ": klbench's side with no Python but the reward's and no validation (scripts/bench_rollout.py)")
+        medians("klbench/floor", [k["wall"] / f for (f, _), (k, _) in zip(floors, rows)], "")
+        medians("bare/floor", [b / f for (f, b), _ in zip(floors, rows)],
+                ": the same job as a plain script, its validations included, no framework")
+        medians("klbench/bare", [k["wall"] / b for (_, b), (k, _) in zip(floors, rows)],
+                ": what Hydra, Lightning, klbench's config and its summary add")
     print(f"median wall: klbench {statistics.median(k['wall'] for k, _ in rows):.1f} s, "
           f"TRL {statistics.median(t['wall'] for _, t in rows):.1f} s")
     print(f"peak RSS (max over pairs): klbench {max(k['rss'] for k, _ in rows):.0f} MiB, "
