@@ -2,7 +2,7 @@
 
     python scripts/bench_trl_peer.py [--pairs 3] [--steps 50] [--work outputs/.bench] [--trl-python PATH]
     python scripts/bench_trl_peer.py --pairs 1 --steps 5          # a quick check that both sides run
-    python scripts/bench_trl_peer.py --floor                      # and klbench's floor beside each pair
+    python scripts/bench_trl_peer.py --floor                      # and klbench's floor and bare job beside each pair
     python scripts/bench_trl_peer.py --arch llama                 # the same job on a RoPE/RMSNorm/GQA model
 
 The job (issue 22), the same on both sides:
@@ -300,7 +300,8 @@ def main() -> None:
             floors.append(run_floor(model, a.steps, work, f"pair{i}-floor"))
             (f, bare), kw = floors[-1], k["wall"]
             floor = (f"; klbench's floor {f:.1f} s (floor/TRL {f / t['wall']:.2f}, klbench/floor {kw / f:.2f}), "
-                     f"the bare job {bare:.1f} s (bare/floor {bare / f:.2f}, klbench/bare {kw / bare:.2f})")
+                     f"the bare job {bare:.1f} s (bare/floor {bare / f:.2f}, bare/TRL {bare / t['wall']:.2f}, "
+                     f"klbench/bare {kw / bare:.2f})")
         print(f"pair {i}: klbench {k['wall']:.1f} s ({k['rss']:.0f} MiB), TRL {t['wall']:.1f} s ({t['rss']:.0f} MiB), "
               f"klbench/TRL {k['wall'] / t['wall']:.2f}{floor}; reward at step {a.steps}: klbench "
               f"{k['reward_end']:+.3f}, TRL {t['reward_end']:+.3f}; load average {before} -> {load()}", flush=True)
@@ -318,6 +319,7 @@ def main() -> None:
         medians("klbench/floor", [k["wall"] / f for (f, _), (k, _) in zip(floors, rows)], "")
         medians("bare/floor", [b / f for (f, b), _ in zip(floors, rows)],
                 ": the same job as a plain script, its validations included, no framework")
+        medians("bare/TRL", [b / t["wall"] for (_, b), (_, t) in zip(floors, rows)], "")
         medians("klbench/bare", [k["wall"] / b for (_, b), (k, _) in zip(floors, rows)],
                 ": what Hydra, Lightning, klbench's config and its summary add")
     print(f"median wall: klbench {statistics.median(k['wall'] for k, _ in rows):.1f} s, "
