@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -22,6 +23,11 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     # or OpenMP barriers spin on threads the other worker has descheduled
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # a suite started in the background by a shell without job control (`nohup ... &` in a script) inherits
+    # SIGINT ignored, and so would every `klbench` it starts: the Ctrl-C tests would wait for a stop that never
+    # comes. A Python handler here is reset to the default in each child, as in a terminal's foreground
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 RECORD_VARS = ("MLFLOW_TRACKING_URI", "KLBENCH_PARENT_RUN_ID", "KLBENCH_RESUME_CKPT")
 for _var in RECORD_VARS:
     os.environ.pop(_var, None)
