@@ -152,6 +152,19 @@ def main() -> None:
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 
+def training_step(policy, est, opt, prompts: list[str], clip: float | None = None):
+    """One step of the peer job as the floor and the bare job take it: rollout, scoring, the estimator's loss,
+    backward, (clipping,) AdamW. Returns the rollout (its texts are the reward's input)."""
+    opt.zero_grad(set_to_none=True)
+    ro = policy.rollout(prompts, SAMPLES)
+    batch = policy.score(ro)
+    (est.estimate(batch).values.mean() - batch.masked_logp.sum(-1).mean()).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(policy.trainable(), clip)
+    opt.step()
+    return ro
+
+
 def bare_job(model_dir: str, steps: int) -> None:
     """The peer job as a plain script, for floor() to time as a whole process: klbench's policy and the floor's
     training step, the job's reward (VADER), its gradient clipping and its two validations (32 held-out prompts
@@ -185,14 +198,8 @@ def bare_job(model_dir: str, steps: int) -> None:
 
     val_s += validate()
     for step in range(steps):
-        opt.zero_grad(set_to_none=True)
         first = step * PROMPTS % len(train)
-        ro = policy.rollout(train[first:first + PROMPTS], SAMPLES)
-        vader.score_texts(ro.texts)
-        batch = policy.score(ro)
-        (est.estimate(batch).values.mean() - batch.masked_logp.sum(-1).mean()).backward()
-        torch.nn.utils.clip_grad_norm_(policy.trainable(), 1.0)
-        opt.step()
+        vader.score_texts(training_step(policy, est, opt, train[first:first + PROMPTS], clip=1.0).texts)
     val_s += validate()
     print(f"bare_validation_seconds {val_s:.3f}")
     gc.freeze()
@@ -213,12 +220,7 @@ def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
     texts = []
 
     def train_step():
-        opt.zero_grad(set_to_none=True)
-        ro = policy.rollout(prompts, SAMPLES)
-        batch = policy.score(ro)
-        (est.estimate(batch).values.mean() - batch.masked_logp.sum(-1).mean()).backward()
-        opt.step()
-        texts.append(ro.texts)
+        texts.append(training_step(policy, est, opt, prompts).texts)
 
     train_step()  # warm-up, and torch.optim's first step imports torch._dynamo
     wall_ms = statistics.median(timed(train_step) for _ in range(rounds)) * 1e3

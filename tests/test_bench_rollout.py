@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_rollout_runs_and_its_samplers_agree(tiny_lm_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_rollout.py"), "--model", tiny_lm_dir,
-                           "--rounds", "1", "--threads", "1", "--steps", "2"], env=env, capture_output=True, text=True, timeout=300)
+                           "--rounds", "1", "--threads", "1", "--steps", "2"],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = re.findall(r"^  (.+?)\s+([\d.]+) (ms|us)\s+([\d.]+)x$", proc.stdout, re.M)
     assert [r[0].split(" (")[0].split(",")[0] for r in rows] == [
