@@ -41,8 +41,10 @@ class ResumeError(ValueError):
     pass
 
 
-def resolve_ckpt(cfg: DictConfig) -> str | None:
-    """The checkpoint that `ckpt_path` names (`last`: this run folder's last.ckpt), or None; it must exist."""
+def resolve_ckpt(cfg: DictConfig, recorded=None) -> str | None:
+    """The checkpoint that `ckpt_path` names (`last`: this run folder's last.ckpt), or None; it must exist.
+    recorded(cfg) -> (MLflow run id, status, steps done) or None: what the folder's record says, asked only when
+    last.ckpt is missing, to tell a run that never checkpointed from one whose checkpoint was deleted."""
     if cfg.ckpt_path in (None, "null"):
         return None
     path = os.path.join(cfg.paths.ckpt_dir, "last.ckpt") if cfg.ckpt_path == "last" else cfg.ckpt_path
@@ -50,6 +52,11 @@ def resolve_ckpt(cfg: DictConfig) -> str | None:
         hint = (f"the run stopped before its first checkpoint (written at every validation, every "
                 f"task.val_every={cfg.task.get('val_every')} steps): start it again without ckpt_path"
                 if cfg.ckpt_path == "last" else "check the path")
+        if cfg.ckpt_path == "last" and recorded is not None and (rec := recorded(cfg)) and rec[2] > 0:
+            # its record went past step 0, so a checkpoint was written: someone removed it
+            hint = (f"yet its MLflow run {rec[0]} is {rec[1]} at step {rec[2]}, so the checkpoint was deleted or "
+                    "moved: put it back (or give ckpt_path its path), or start a new run without ckpt_path "
+                    "and hydra.run.dir")
         raise ResumeError(f"ckpt_path={cfg.ckpt_path!r}: no checkpoint at {path}; {hint}")
     return path
 
@@ -152,3 +159,63 @@ def load_policy_weights(policy, path: str, cfg: DictConfig) -> int:
         raise ResumeError(f"{path}: the policy's weights do not fit this model (missing {missing[:5]}, "
                           f"unexpected {unexpected[:5]})")
     return int(payload.get("step") or 0)
+
+
+def _allows(cfg: DictConfig, *keys: str) -> bool:
+    """ckpt_allow_changes accepts a change of any of `keys` (a listed key, a group above it, or `*`)."""
+    allowed = list(cfg.get("ckpt_allow_changes") or [])
+    return "*" in allowed or any(k == a or k.startswith(a + ".") for a in allowed for k in keys)
+
+
+def frozen_fingerprint(module) -> str:
+    """A hash of the weights a checkpoint leaves out (a LoRA base, the frozen reference, a teacher): names,
+    shapes, dtypes and up to 4096 evenly spaced values of each. A checkpoint records it, so that a resume on a
+    base replaced at the same path is refused instead of continuing an adapter trained for another base.
+    Taken before fit, where hardware.precision has not cast anything yet."""
+    import hashlib
+
+    import torch
+    h = hashlib.sha256()
+    frozen = sorted((n, p) for n, p in module.named_parameters() if not p.requires_grad)
+    with torch.no_grad():
+        for name, p in frozen:
+            flat = p.detach().reshape(-1)  # [numel]
+            sample = flat[::max(1, flat.numel() // 4096)].float().cpu()  # [<= 4097]
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:".encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def check_weights(module, path: str, payload: dict, cfg: DictConfig, fingerprint: str | None = None) -> None:
+    """Before a resume loads anything: the checkpoint holds every parameter this run trains, each with this
+    model's shape, and nothing else; and the weights it leaves out are those it was made on (`fingerprint`:
+    frozen_fingerprint(module), checked when the checkpoint recorded one). The task loads with
+    strict_loading=False (the frozen weights are not in it), which would otherwise start a missing adapter
+    from zero without a word, and a reshaped one ends in torch's size-mismatch traceback after the run was
+    reopened."""
+    import torch
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("state_dict") or {}
+    mine = module.state_dict()  # what the task checkpoints: trained parameters and buffers, frozen ones left out
+    trained = [n for n, p in module.named_parameters() if p.requires_grad]
+    changed = "; ".join(c for c in config_changes(payload["config"], cfg) if c.startswith(("model", "teacher")))
+    since = f" (changed since: {changed})" if changed else ""
+    if missing := [n for n in trained if n not in state]:
+        raise ResumeError(f"{path} holds no weights for {len(missing)} of the {len(trained)} parameters this run "
+                          f"trains ({', '.join(missing[:2])}{', ...' if len(missing) > 2 else ''}){since}: resuming "
+                          f"would restart them from their initial values. {WHAT_TO_DO}")
+    if unexpected := [n for n in state if n not in mine]:
+        raise ResumeError(f"{path} holds weights this model does not have ({', '.join(unexpected[:2])}"
+                          f"{', ...' if len(unexpected) > 2 else ''}){since}: resume with the model options of the "
+                          "checkpoint, or start a new run without ckpt_path")
+    for name, value in mine.items():
+        if name in state and tuple(state[name].shape) != tuple(value.shape):
+            raise ResumeError(f"{path} holds {name} of shape {list(state[name].shape)}, this model's is "
+                              f"{list(value.shape)}{since}: a checkpoint loads only into the shapes it was made "
+                              "with; resume with the checkpoint's values, or start a new run without ckpt_path")
+    saved = payload.get("frozen_fingerprint")
+    if saved and fingerprint and saved != fingerprint and not _allows(cfg, "model", "teacher"):
+        where = cfg.model.get("name_or_path") or "the model folder"
+        raise ResumeError(f"{path} was trained on other frozen weights (the LoRA base, the reference or the "
+                          f"teacher) than those loaded now: {where} (or the reference's folder) changed since the "
+                          "checkpoint was made. Put back the weights it was trained on, start a new run without "
+                          "ckpt_path, or accept the change with ckpt_allow_changes=[model]")

@@ -209,6 +209,20 @@ def run_finished(cfg: DictConfig) -> bool:
     return found is None or found[1].info.status == "FINISHED"
 
 
+def folder_run_state(cfg: DictConfig) -> tuple[str, str, int] | None:
+    """(MLflow run id, status, klbench.steps_done) of this run folder's run, or None (no record, no store)."""
+    from mlflow.exceptions import MlflowException
+    try:
+        found = _folder_run(cfg)
+    except (MlflowException, store.StoreError):
+        return None
+    if found is None:
+        return None
+    run = found[1]
+    steps = run.data.tags.get(runs.STEPS_DONE, "0")
+    return run.info.run_id, run.info.status, int(steps) if steps.isdigit() else 0
+
+
 def settle_folder_run(cfg: DictConfig, why: str) -> None:
     """A resume that is refused leaves no run RUNNING behind it: the folder's MLflow run, if its process
     is gone, is marked KILLED now (instead of by the next fresh start). Never masks the refusal."""
@@ -236,6 +250,9 @@ class RecordCheckpoint(Callback):
     def __init__(self, ckpt_dir: str, config: dict):
         self.path = os.path.join(ckpt_dir, "last.ckpt")
         self.config = redact_obj(config)
+        # klbench.record.resume.frozen_fingerprint of the task, set by the training runner before fit: a resume
+        # onto other frozen weights (a LoRA base replaced at its path) is refused with it
+        self.fingerprint: str | None = None
 
     @staticmethod
     def of(trainer) -> "RecordCheckpoint":
@@ -265,7 +282,8 @@ class RecordCheckpoint(Callback):
             # the run this checkpoint continues: a resume into any other MLflow run is refused (klbench.record.resume)
             "mlflow_run_id": record.run_id if record else None,
             # the validation just made: a resume of a finished run answers with it instead of training
-            "val_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
+            "val_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
+            "frozen_fingerprint": self.fingerprint}
 
 
 def log_params(logger, params: dict[str, str]) -> None:

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # LMPolicy keeps its models in eval mode on purpose (no dropout: see policies.py); Lightning's notice about it
 # would only alarm users at every run
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+# a resume draws the uninterrupted run's prompts exactly (klbench.models.data.EpochShuffle starts from the restored
+# step), so Lightning's notice that the dataloader is not resumable mid-epoch is wrong for klbench's data
+warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -158,12 +161,16 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     print(f"klbench: {target}")
     reward = build_reward(cfg.reward, policy, cfg.dataset)
     module = build_task(cfg, policy, reward)
+    fingerprint = resume.frozen_fingerprint(module)
+    if ckpt_path is not None:  # before the record reopens: a refused resume leaves the run as it was
+        _settled_if_refused(cfg, resume.check_weights, module, ckpt_path, payload, cfg, fingerprint)
     data = build_data(cfg, policy.fixed_prompt, policy)
     built_s = time.time() - t0  # the models (the embedded LM's first build included) and the data
     pending = payload["pending_metrics"] if payload is not None else None
     with recorded_run(cfg, resume=ckpt_path is not None, pending=pending) as record:
         tracking.log_params(record.logger, sampling_params(policy))
         trainer = build_trainer(cfg, record.logger, cfg.task.max_steps, cfg.task.val_every)
+        tracking.RecordCheckpoint.of(trainer).fingerprint = fingerprint
         before, t_train = None, time.time()
         if ckpt_path is None:
             trainer.validate(module, datamodule=data, verbose=False)
@@ -194,7 +201,7 @@ def _resume_from(cfg: DictConfig) -> tuple[str | None, dict | None]:
     it exists, it is klbench's, it was made under this config and by this folder's MLflow run.
     A refused resume settles the run it meant to continue (KILLED, if its process is gone)."""
     try:
-        ckpt_path = resume.resolve_ckpt(cfg)
+        ckpt_path = resume.resolve_ckpt(cfg, tracking.folder_run_state)
         if ckpt_path is None:
             return None, None
         payload = resume.load_payload(ckpt_path)
@@ -205,6 +212,15 @@ def _resume_from(cfg: DictConfig) -> tuple[str | None, dict | None]:
         tracking.settle_folder_run(cfg, f"resume refused: {e}")
         raise
     return ckpt_path, payload
+
+
+def _settled_if_refused(cfg: DictConfig, check, *args) -> None:
+    """check(*args); a ResumeError it raises first settles the run the resume meant to continue (_resume_from)."""
+    try:
+        check(*args)
+    except resume.ResumeError as e:
+        tracking.settle_folder_run(cfg, f"resume refused: {e}")
+        raise
 
 
 def _already_finished(cfg: DictConfig, payload: dict, ckpt_path: str) -> dict[str, float]:
