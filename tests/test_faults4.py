@@ -87,3 +87,117 @@ def test_lora_resumes_refused_in_one_line_leave_the_finished_run(tmp_path, tiny_
     proc = klbench(outputs, *_lora_args(base, run_dir, *longer, "ckpt_allow_changes=[task.max_steps]"))
     one_line_error(proc, "FINISHED at step 8", "deleted or moved")
     unchanged()
+
+
+# ---- 2 and 4: a model folder's files that cannot be used are named ----
+
+def _copy(src: str, dst: Path) -> str:
+    return str(shutil.copytree(src, dst))
+
+
+@pytest.mark.parametrize("follow", ["follow", "klbench"])
+def test_a_malformed_generation_config_is_named(tmp_path, tiny_arch, follow):
+    """transformers ignores a generation_config.json it cannot parse: under `follow` the run sampled at T = 1, and
+    under either setting the second stop id of eos_token_id [1, 4] was dropped."""
+    from klbench.config.errors import ConfigError
+    from klbench.models.policies import build_policy
+    from test_config import compose_cfg
+    folder = _copy(tiny_arch("llama")[0], tmp_path / "m")
+    path = Path(folder, "generation_config.json")
+    path.write_text('{"eos_token_id": [1, 4], "temperature": 0.7,, "do_sample": true}')
+    cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={folder}", f"model.generation_config={follow}"])
+    with pytest.raises(ConfigError, match=rf"^model\.name_or_path: {path} is not valid JSON \(.*\): its stop ids "
+                                          r"and sampling options would be ignored; correct the file"):
+        build_policy(cfg.model, cfg.task.max_new_tokens)
+
+
+def test_a_chat_template_that_renders_nothing_is_named(tmp_path, tiny_arch):
+    """`{# renders nothing #}` ended in a 124-line traceback from the model (cannot reshape a tensor of 0 elements)."""
+    from klbench.config.errors import ConfigError
+    from klbench.models.policies import build_policy
+    from klbench.tasks.train import build_data
+    from test_instruct import ROWS, _chat_cfg
+    folder = _copy(tiny_arch("llama")[0], tmp_path / "m")
+    template = Path(folder, "chat_template.jinja")
+    template.write_text("{# renders nothing #}")
+    cfg = _chat_cfg(tmp_path, folder, ROWS, "dataset.chat_template=true")
+    policy = build_policy(cfg.model, cfg.task.max_new_tokens)
+    with pytest.raises(ConfigError, match=rf"the chat template \({template}\) renders prompt #1 as an empty text: "
+                                          "correct the template"):
+        build_data(cfg, None, policy)
+
+
+# ---- 5, 6, 7: the embedded LMs' cache ----
+
+def _cached_reference(cache: Path, tiny_lm_dir: str) -> Path:
+    """A cached embedded reference LM as ensure_embedded_lm finds it (a tiny GPT-2 in its folder): no pretraining."""
+    from klbench.models.embedded.cache import embedded_lm_dir
+    from klbench.models.embedded.spec import preset_spec
+    spec = preset_spec("reference", {})
+    folder = Path(embedded_lm_dir(spec, cache))
+    shutil.copytree(tiny_lm_dir, folder)
+    (folder / "spec.json").write_text(json.dumps(spec))
+    return folder
+
+
+def test_a_damaged_cached_model_names_its_folder_and_the_fix(tmp_path, tiny_lm_dir):
+    """Random bytes or a truncated model.safetensors: a 37-line SafetensorError and a run folder left behind
+    before; a bad config.json got advice for a user's folder (save it again with save_pretrained)."""
+    from klbench.models.embedded.cache import CacheUnusable, ensure_embedded_lm
+    from klbench.models.embedded.spec import preset_spec
+    cache = tmp_path / "cache"
+    folder = _cached_reference(cache, tiny_lm_dir)
+    assert ensure_embedded_lm(preset_spec("reference", {}), cache) == str(folder)  # whole: used as it is
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    fix = "task=pretrain model.preset=reference task.force=true"
+    for damage, said in ((lambda: weights.write_bytes(whole[: len(whole) // 2]), "model.safetensors is cut short"),
+                         (lambda: (folder / "config.json").write_text("{,"), "config.json cannot be read")):
+        damage()
+        with pytest.raises(CacheUnusable, match=rf"^the cached embedded reference LM {folder} is damaged \({said}"):
+            ensure_embedded_lm(preset_spec("reference", {}), cache)
+        shutil.rmtree(folder)
+        folder = _cached_reference(cache, tiny_lm_dir)
+    # random bytes, in a real run: one line, and no run folder
+    weights.write_bytes(os.urandom(len(whole)))
+    outputs = tmp_path / "outputs"
+    proc = klbench(outputs, "task.max_steps=2", env={"KLBENCH_CACHE": str(cache)})
+    one_line_error(proc, str(folder), "model.safetensors", fix, "delete that folder")
+    assert not (outputs / "runs").exists() or not any((outputs / "runs").rglob("*-rl-rb*"))
+
+
+def test_a_cache_that_is_a_file_or_read_only_is_one_line(tmp_path, read_only):
+    """KLBENCH_CACHE at a file, or a read-only folder without the models: 31-line tracebacks before."""
+    outputs = tmp_path / "outputs"
+    (afile := tmp_path / "cachefile").write_text("not a folder")
+    for cache, run in ((afile, ()), (afile / "sub", ("experiment=tabular",))):
+        proc = klbench(outputs, *run, "task.max_steps=2", env={"KLBENCH_CACHE": str(cache)})
+        one_line_error(proc, f"the klbench cache {cache} ($KLBENCH_CACHE", f"{afile} is a file, not a folder",
+                       "point KLBENCH_CACHE at a folder you can write")
+        assert not outputs.exists()  # refused before anything was made
+    (ro := tmp_path / "ro").mkdir()
+    read_only(ro)
+    proc = klbench(outputs, "task.max_steps=2", env={"KLBENCH_CACHE": str(ro)})
+    one_line_error(proc, f"the klbench cache {ro}", "cannot hold the embedded tokenizer", "cannot be written")
+
+
+def test_a_full_disk_while_building_the_embedded_lm_is_one_line(tmp_path):
+    """A 51-line `No space left on device` traceback before; nothing half-written was left then either."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        # a 1.7 MB model on 512 KiB: the tokenizer fits, the model does not
+        spec = ["model.spec.corpus_size=200", "model.spec.vocab_size=300", "model.spec.n_embd=128",
+                "model.spec.n_layer=2", "model.spec.n_head=2", "model.spec.n_positions=64", "model.spec.steps=2",
+                "model.spec.batch_size=4", "model.spec.max_len=32"]
+        proc = klbench(tmp_path / "outputs", "task=pretrain", *spec, env={"KLBENCH_CACHE": str(disk)})
+        one_line_error(proc, f"the disk under the klbench cache {disk}", "filled up while building the embedded "
+                       "reference LM: nothing was kept", "point KLBENCH_CACHE at another disk")
+        left = [p.name for p in (disk / "embedded").iterdir()]
+        assert not [n for n in left if n.startswith(("reference", ".tmp-"))], left  # nothing half-written
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -107,6 +107,17 @@ def _check_model_folder(path: str, what: str) -> None:
     except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise MissingInput(f"{what}: {config} is not valid JSON ({e}); the folder is not a saved model: "
                            "save it again with save_pretrained") from None
+    generation = os.path.join(path, "generation_config.json")
+    if os.path.isfile(generation):
+        # transformers ignores a generation_config.json it cannot read and falls back to config.json: the
+        # folder's sampling options and its extra stop ids would be dropped without a word
+        try:
+            with open(generation, encoding="utf-8") as f:
+                json.load(f)
+        except (ValueError, OSError) as e:
+            raise MissingInput(f"{what}: {generation} is not valid JSON ({e}): its stop ids and sampling options "
+                               "would be ignored; correct the file, or write it again with "
+                               "GenerationConfig.save_pretrained") from None
 
 
 def _from_pretrained(loader, name_or_path: str, what: str, setting: str = "model", **kwargs):

@@ -257,6 +257,8 @@ def _create(uri: str, path: Path, template_dir: str | os.PathLike | None = None)
         SqlAlchemyStore(uri, file_uri(path.parent / "mlartifacts")).engine.dispose()
     except Exception as e:
         path.unlink(missing_ok=True)  # absent or empty before: nothing of anyone's is lost
+        if type(e).__name__ == "CacheUnusable":  # the template's folder: its own one line (models.embedded.cache)
+            raise
         cause = "the disk is full" if disk_full(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         raise StoreError(f"cannot create the MLflow store {path}: {cause} "
                          f"({shutil.disk_usage(path.parent).free // 1024} KiB free in {path.parent})") from e
@@ -272,8 +274,14 @@ def _template(folder: Path) -> Path:
     template = folder / "mlflow" / f"empty-{mlflow.__version__}.db"
     if template.is_file():
         return template
-    template.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{template}.lock", timeout=LOCK_TIMEOUT_S):
+    lock = FileLock(f"{template}.lock", timeout=LOCK_TIMEOUT_S)
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as e:  # the cache is a file, or read-only: said as the cache's, not as the store's
+        from klbench.models.embedded.cache import unusable
+        raise unusable(str(folder), "hold the empty MLflow store every new store is copied from", e) from None
+    with lock:  # held since the acquire above (a FileLock counts its acquisitions)
         if not template.is_file():
             tmp = template.with_name(f".{template.name}.{os.getpid()}.tmp")
             tmp.unlink(missing_ok=True)

@@ -138,6 +138,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     (klbench.tasks.TASKS) names it; returns the task's metrics."""
     console.setup()
     check_config(cfg)
+    from klbench.models.embedded.cache import check_folder
+    check_folder(cfg.paths.cache)  # a file where the cache should be: one line before anything is made
     os.makedirs(cfg.paths.outputs, exist_ok=True)
     return runner(cfg.task.name)(cfg)
 

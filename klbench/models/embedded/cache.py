@@ -14,6 +14,7 @@ through cache_dir, and transformers and Lightning are imported only when a build
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -24,9 +25,55 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from klbench.config.errors import ConfigError
 from klbench.models.embedded.spec import EMBEDDED_CODE_VERSION, complete_spec, spec_hash, tokenizer_spec
 
 CACHE_ENV = "KLBENCH_CACHE"
+WHERE = "$KLBENCH_CACHE, else $XDG_CACHE_HOME/klbench, else ~/.cache/klbench; paths.cache="
+
+
+class CacheUnusable(ConfigError):
+    """The cache cannot hold what a run must write there (a file where its folder should be, a read-only
+    folder, a full disk), or what it holds cannot be read: one line naming the folder and what to do."""
+
+
+def unusable(folder: str, doing: str, e: OSError) -> CacheUnusable:
+    """The one line for an OSError met while `doing` (e.g. "build the embedded reference LM") in `folder`."""
+    if isinstance(e, (NotADirectoryError, FileExistsError)) or e.errno in (errno.ENOTDIR, errno.EEXIST):
+        why = f"{_file_above(e.filename or folder)} is a file, not a folder"
+    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = f"{e.filename or folder} cannot be written ({e.strerror})"
+    else:
+        why = e.strerror or str(e)
+    return CacheUnusable(f"the klbench cache {folder} ({WHERE}) cannot {doing}: {why}; point KLBENCH_CACHE at a "
+                         "folder you can write")
+
+
+def _file_above(path: str) -> str:
+    """The file that stands where `path` or one of the folders above it should be (else `path`)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p if os.path.exists(p) and not os.path.isdir(p) else path
+
+
+def check_folder(folder: str | os.PathLike) -> None:
+    """At a run's start: the cache is a folder, or can become one (nothing above it is a file). Whether it can
+    be written is found when something must be written there: a read-only cache that holds every model a run
+    needs serves it."""
+    above = _file_above(os.fspath(folder))
+    if os.path.exists(above) and not os.path.isdir(above):
+        raise unusable(os.fspath(folder), "be used", NotADirectoryError(errno.ENOTDIR, "Not a directory", above))
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """`e` or a cause of it says the disk is full (an OSError, or safetensors' or torch's wording of one)."""
+    while e is not None:
+        if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+                w in str(e) for w in ("No space left on device", "StorageFull", "Disk quota exceeded")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def cache_dir() -> Path:
@@ -64,8 +111,12 @@ def build_cached(final_dir: str, build, what: str | None = None) -> bool:
     if os.path.isdir(final_dir):
         return False
     parent = os.path.dirname(final_dir)
-    os.makedirs(os.path.join(parent, ".locks"), exist_ok=True)
-    with _lock(os.path.join(parent, ".locks", os.path.basename(final_dir) + ".lock"), final_dir):
+    with contextlib.ExitStack() as stack:
+        try:
+            os.makedirs(os.path.join(parent, ".locks"), exist_ok=True)
+            stack.enter_context(_lock(os.path.join(parent, ".locks", os.path.basename(final_dir) + ".lock"), final_dir))
+        except OSError as e:  # a file where the cache's folder should be, a read-only folder
+            raise unusable(os.path.dirname(parent), f"hold {what or os.path.basename(final_dir)}", e) from None
         if os.path.isdir(final_dir):  # another process finished it while we waited
             return False
         prefix = ".tmp-" + os.path.basename(final_dir) + "-"
@@ -79,8 +130,14 @@ def build_cached(final_dir: str, build, what: str | None = None) -> bool:
         try:
             build(tmp)
             os.rename(tmp, final_dir)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if _disk_full(e):  # said in one line, with what is left: nothing half-written stays
+                free = shutil.disk_usage(parent).free // 1024
+                raise CacheUnusable(f"the disk under the klbench cache {os.path.dirname(parent)} ({WHERE}) filled "
+                                    f"up while building {what or final_dir}: nothing was kept ({tmp} is removed, "
+                                    f"{free} KiB free now). Free space there, or point KLBENCH_CACHE at another "
+                                    "disk, and start again") from None
             raise
         if what:
             print(f"klbench: built {what} in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -135,6 +192,10 @@ def ensure_embedded_lm(spec: Mapping, cache_root: str | os.PathLike | None = Non
     spec = complete_spec(spec)
     final = embedded_lm_dir(spec, cache_root)
     if os.path.isdir(final):
+        if why := damage(final):  # before transformers' 37-line SafetensorError, and its advice meant for a user's folder
+            raise CacheUnusable(f"the cached embedded {spec['name']} LM {final} is damaged ({why}): rebuild it with "
+                                f"`klbench task=pretrain model.preset={spec['name']} task.force=true` (and the run's "
+                                "model.spec options), or delete that folder and the next run builds it again")
         return final
     tok_dir = ensure_embedded_tokenizer(spec, cache_root)
 
@@ -154,3 +215,37 @@ def ensure_embedded_lm(spec: Mapping, cache_root: str | os.PathLike | None = Non
 
     build_cached(final, build, what=f"the embedded {spec['name']} LM")
     return final
+
+
+def damage(folder: str) -> str | None:
+    """What makes a cached model folder unreadable, or None: its JSON files must parse, and each safetensors
+    file's header must parse and its tensors' bytes must all be there (a truncated or overwritten file fails
+    one or the other). A few reads of small files; the weights themselves are not read."""
+    import struct
+    for name in ("config.json", "spec.json", "tokenizer.json", "tokenizer_config.json"):
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except (ValueError, OSError) as e:
+            return f"{name} cannot be read: {e}"
+    weights = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not weights:
+        return "it holds no model.safetensors"
+    for name in weights:
+        path = os.path.join(folder, name)
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))  # the safetensors header's length, then the header (JSON)
+                if n > size - 8:
+                    return f"{name}'s header claims {n} bytes, more than the file holds"
+                header = json.loads(f.read(n))
+            ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        except (struct.error, ValueError, KeyError, TypeError, IndexError, OSError) as e:
+            return f"{name} is not a safetensors file ({type(e).__name__})"
+        if 8 + n + max(ends, default=0) > size:
+            return f"{name} is cut short: {size} bytes of {8 + n + max(ends)}"
+    return None
