@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -33,9 +34,49 @@ from klbench.record.redact import redact, redact_exception
 register()  # the klbench_* resolvers conf/ uses (klbench/config/resolvers.py)
 
 
+def main() -> None:
+    """The `klbench` command: the Hydra app below, with what Hydra cannot compose told in klbench's one line."""
+    with _composition_errors_in_one_line():
+        app()
+
+
+@contextmanager
+def _composition_errors_in_one_line():
+    """Hydra reports a composition error itself (hydra._internal.utils.run_and_report, around each of its
+    steps) and exits 1: for a required group's unknown option (`estimator=rbb`) a 26-line block, for an unknown
+    key (`task.max_step=20`) the advice to add it with `+`, which would compose a key nothing reads. Hydra has
+    no hook for this, so while the app runs its reporter first asks klbench.config.choices for one line
+    (the valid names, or the nearest key) and exits with it; what klbench cannot tell better, Hydra reports."""
+    from hydra._internal import utils as hydra_utils
+    from hydra.errors import ConfigCompositionException
+    report = hydra_utils.run_and_report
+
+    def run_and_report(func):
+        def told():
+            try:
+                return func()
+            except ConfigCompositionException:
+                from klbench.config.choices import explain_composition_error
+                try:
+                    args = hydra_utils.get_args_parser().parse_args(sys.argv[1:])
+                    line = explain_composition_error(args.overrides, args.config_name or "config")
+                except Exception:  # the explanation must never hide Hydra's own report
+                    line = None
+                if line:
+                    raise SystemExit(f"klbench: error: {line}") from None
+                raise
+        return report(told)
+
+    hydra_utils.run_and_report = run_and_report
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = report
+
+
 @hydra.main(config_path=str(ROOT / "conf"), config_name="config",
             execution_whitelist=("klbench.*",))
-def main(cfg: DictConfig) -> tuple[float, float] | None:
+def app(cfg: DictConfig) -> tuple[float, float] | None:
     interrupts.install()  # first: Ctrl-C while torch loads is a stop too, not a traceback
     # One job, then the process exits (a sweep's in-process jobs keep Python's collector as it is). Its cyclic
     # garbage collector would otherwise traverse every object torch, Lightning and transformers create: 0.7 s
@@ -113,6 +154,9 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"sweep={sweep} is a sweep: run it with -m (klbench -m sweep={sweep} ...); "
                          "without -m it would be a single run filed under the sweep's experiment")
     validate(cfg)
+    if cfg.task.name != "pretrain":
+        from klbench.config.model_checks import check_model_folders
+        check_model_folders(cfg)  # a missing folder, a LoRA target no module has: before any model loads
 
 
 ENV_VALUE = re.compile(r"\$\{oc\.env:[^${}]*\}")

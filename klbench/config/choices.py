@@ -69,3 +69,97 @@ class RefuseUnknownOptions(Callback):
             refuse_unknown_options(named_options(overrides, sweeper_params), config_name)
         except ConfigError as e:
             raise SystemExit(f"klbench: error: {e}") from None
+
+
+# ---- what Hydra refuses while composing, told in one line ----
+# Hydra reports a composition error itself and exits: for a group it requires (`estimator=rbb`) its 26-line
+# block; for a key that is not in the config (`task.max_step=20`) the advice to type `+task.max_step=20`, which
+# composes a key nothing reads. The CLI (klbench.cli.main) asks here for klbench's line instead.
+
+def explain_composition_error(overrides: Sequence[str], config_name: str = "config") -> str | None:
+    """One line for a command Hydra could not compose: the first option that is no config of its group
+    (with the valid names), else the first key that is not in the config (with the nearest valid key), else
+    None (Hydra's own report stands). Called after Hydra failed, with its GlobalHydra still set up."""
+    gh = GlobalHydra.instance()
+    if not gh.is_initialized():
+        return None
+    try:
+        refuse_unknown_options(overrides, config_name)
+    except ConfigError as e:
+        return str(e)
+    loader = gh.config_loader()
+    parsed = loader.parse_overrides(config_name, list(overrides))
+    groups = [o for o in parsed if "." not in o.key_or_group and not o.is_delete() and not o.is_sweep_override()
+              and loader.get_group_options(o.key_or_group)]
+    try:  # the config the command's group choices make: its keys are the valid ones
+        from hydra.types import RunMode
+        cfg = gh.hydra.compose_config(config_name, [o.input_line for o in groups], run_mode=RunMode.RUN,
+                                      from_shell=True, with_log_configuration=False)
+    except Exception:  # the choices alone fail: nothing klbench can say better than Hydra
+        return None
+    for o in parsed:
+        if o in groups or o.is_add() or o.is_force_add() or o.is_delete():
+            continue  # +key / ++key add keys on purpose; ~key names one that exists (Hydra says so otherwise)
+        key = o.key_or_group.split("@")[0] if "." not in o.key_or_group else o.key_or_group
+        if _select(cfg, key) is _ABSENT:
+            line = unknown_key_line(cfg, key)
+            return line if "did you mean" in line else line + _other_options_with(key, groups, config_name)
+    return None
+
+
+def _other_options_with(key: str, groups: list, config_name: str) -> str:
+    """`; model=hf has it` where the key belongs to other options of its group (model.name_or_path under
+    model=embedded): each option composed in its turn (the error path only: well under a second per group)."""
+    from hydra.types import RunMode
+    gh = GlobalHydra.instance()
+    group = key.split(".")[0]
+    others = [o.input_line for o in groups if o.key_or_group != group]
+    having = []
+    for option in gh.config_loader().get_group_options(group):
+        try:
+            cfg = gh.hydra.compose_config(config_name, [*others, f"{group}={option}"], run_mode=RunMode.RUN,
+                                          from_shell=True, with_log_configuration=False)
+        except Exception:  # an option that needs others (a teacher, a task): not a hint worth the risk
+            continue
+        if _select(cfg, key) is not _ABSENT:
+            having.append(f"{group}={option}")
+    return f"; {', '.join(having)} {'has' if len(having) == 1 else 'have'} it" if having else ""
+
+
+_ABSENT = object()
+
+
+def _select(cfg, key: str):
+    """The node at a dotted key, or _ABSENT; a key whose value is still to be given (`???`) exists too."""
+    from omegaconf import DictConfig
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node.keys():
+            return _ABSENT
+        node = node._get_node(part)
+    return node
+
+
+def unknown_key_line(cfg, key: str) -> str:
+    """`task.max_step is no key of task=rl; did you mean task.max_steps?`: the nearest key of the nearest node
+    that exists (difflib), or that node's keys where none is near."""
+    import difflib
+
+    from omegaconf import DictConfig
+    parts = key.split(".")
+    depth = len(parts) - 1
+    while depth > 0 and not isinstance(_select(cfg, ".".join(parts[:depth])), DictConfig):
+        depth -= 1  # the deepest node of the key that exists: its keys are the candidates
+    node_key = ".".join(parts[:depth])
+    node = _select(cfg, node_key) if node_key else cfg
+    choices = dict(cfg.hydra.runtime.choices) if "hydra" in cfg else {}
+    keys = [k for k in node.keys() if node_key or k != "hydra"]
+    if not node_key:
+        keys += [g for g in choices if "/" not in g and g not in keys]  # a group, e.g. estimator=
+    where = (f"{node_key}={choices[node_key]}" if choices.get(node_key) else node_key) if node_key else "the config"
+    rest = parts[depth]
+    near = difflib.get_close_matches(rest, keys, n=1, cutoff=0.6)
+    full = lambda k: f"{node_key}.{k}" if node_key else k  # noqa: E731
+    if near:
+        return f"{key} is no key of {where}; did you mean {full(near[0])}?"
+    return f"{key} is no key of {where}; its keys: {', '.join(sorted(map(str, keys)))}"
