@@ -201,3 +201,37 @@ def test_a_full_disk_while_building_the_embedded_lm_is_one_line(tmp_path):
         assert not [n for n in left if n.startswith(("reference", ".tmp-"))], left  # nothing half-written
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+# ---- 8. a sweep over a sampling option ----
+
+def test_a_sweep_over_the_temperature_draws_its_frontier(tmp_path):
+    """The issue's command exited 0 with its parent FAILED: the runs differ in the derived param sampling.used,
+    which the sweep's frontier did not let vary with task.temperature."""
+    from test_sweeps import klbench_multirun, mlflow_client
+    outputs = tmp_path / "outputs"
+    proc = klbench_multirun(outputs, "sweep=rl_beta", "experiment=tabular", "estimator=rb",
+                            "task.temperature=choice(0.7,1.0)", "estimator.beta=choice(0.1,1.0)",
+                            "hydra.sweeper.n_trials=4", "task.max_steps=20", "task.val_every=10",
+                            "hydra.sweeper.study_name=temperature")
+    assert "could not summarise" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    client = mlflow_client(outputs)
+    (parent,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                   "tags.`klbench.sweep` = 'rl_beta'")
+    assert parent.info.status == "FINISHED", parent.data.tags.get("klbench.error")
+    assert "pareto/n_runs" in parent.data.metrics or any(k.startswith("pareto/") for k in parent.data.metrics)
+    used = {r.data.params.get("sampling.used") for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    assert len(used) == 2, used  # both temperatures in one frontier
+
+
+def test_a_sweep_whose_parent_ends_failed_does_not_exit_0(tmp_path):
+    """Every trial refused by its config: no frontier, the parent FAILED; the sweep exited 0 all the same."""
+    from test_sweeps import cli_env
+    outputs = tmp_path / "outputs"
+    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", "sweep=rl_beta", "experiment=tabular",
+                           "estimator.beta=choice(-1.0,-2.0)", "hydra.sweeper.n_trials=2", "task.max_steps=4",
+                           "hydra.sweeper.study_name=refused"], cwd=tmp_path, env=cli_env(outputs),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "ended FAILED" in proc.stderr, proc.stderr[-3000:]

@@ -222,6 +222,19 @@ NOT_COMPARED = ("estimator", "seed", *BOOKKEEPING,
                 "task.probe_every", "task.probe")  # the probe measures at validations, on its own RNG stream
 
 
+# params a run derives from its config (klbench.models.policies.sampling_params) -> the keys they follow: a key that
+# may vary lets what it sets vary too (a sweep over task.temperature has runs of different `sampling.used`)
+DERIVED = {"sampling.used": ("task.temperature", "task.top_k", "task.top_p", "model.generation_config", "model"),
+           "sampling.kl_target": ("task.kl_target",)}
+
+
+def with_derived(vary: Sequence[str]) -> list[str]:
+    """`vary` and the derived params (DERIVED) of any key in it, or under it (`task` covers task.temperature)."""
+    def covers(v: str, key: str) -> bool:
+        return key == v or key.startswith(v + ".")
+    return [*vary, *(d for d, sources in DERIVED.items() if any(covers(v, s) for v in vary for s in sources))]
+
+
 def _compared(key: str, vary: Sequence[str]) -> bool:
     return not any(key == p or key.startswith(p + ".") for p in (*NOT_COMPARED, *vary))
 
@@ -230,6 +243,7 @@ def group_runs(points: Sequence[dict], vary: Sequence[str] = ()) -> list[tuple[d
     """Splits points into groups of comparable runs: equal in every logged param except NOT_COMPARED and
     the keys in `vary` (and anything under them). Returns [(the values that set the group apart, its
     points)], largest group first; one group with {} when all are comparable."""
+    vary = with_derived(vary)
     keys = sorted({k for p in points for k in p.get("params", {}) if _compared(k, vary)})
     groups: dict[tuple, list[dict]] = {}
     for p in points:

@@ -110,6 +110,9 @@ class SweepTracking(Callback):
         except Exception:
             parent.fail(client, self.parent_run_id)
         parent.print_sweep_where(sweep_dir, client, self.parent_run_id, self.tracking_uri)
+        if why := parent.failed_why(client, self.parent_run_id):  # a sweep without its frontier did not succeed
+            raise SystemExit(f"klbench sweep: error: the sweep's parent run {self.parent_run_id} ended FAILED, "
+                             f"with no frontier: {why}")
 
     def _stopped(self, config: DictConfig, sweep_dir: Path, sig: int) -> None:
         """A sweep stopped by a signal: its Optuna trials settled (klbench.sweep.study.settle_stopped), its

@@ -122,7 +122,8 @@ def finish(client, config: DictConfig, parent: str, study: tuple[str, str] | Non
     metric = (list(OmegaConf.select(config, "optimized_metrics") or []) or ["val/reward"])[0]
     runs = collect_runs(client, parent_run_id=parent, noticed_by="the sweep's end", reward_metric=metric)
     log.info("sweep %s: trial runs %s; for the Pareto plot: %s", parent, counts, runs.describe())
-    swept = list(OmegaConf.select(config, "hydra.sweeper.params") or {})
+    from klbench.sweep.trial import swept_keys
+    swept = swept_keys(config)  # they, and the params derived from them (frontier.DERIVED), may differ
     if len(groups := group_runs(runs, vary=swept)) > 1:
         raise ValueError(f"the trials are not comparable, so no one frontier: {describe_groups(groups)}")
     if not runs:
@@ -158,11 +159,23 @@ def stop(client, parent: str, why: str) -> None:
     client.set_terminated(parent, "KILLED")
 
 
-def fail(client, parent: str) -> None:
-    """Call while handling the exception that stopped `finish`: the parent run ends FAILED with it."""
-    log.exception("could not summarise sweep run %s; marking it FAILED", parent)
-    client.set_tag(parent, "klbench.error", redact(traceback.format_exc(limit=0))[-5000:])
+def fail(client, parent: str) -> str:
+    """Call while handling the exception that stopped `finish`: the parent run ends FAILED with it. Returns the
+    error's one line (the traceback goes to the log file only: the sweep's own line says what failed)."""
+    error = redact(traceback.format_exc(limit=0)).strip().splitlines()[-1]
+    log.debug("could not summarise sweep run %s", parent, exc_info=True)
+    client.set_tag(parent, "klbench.error", error[-5000:])
     client.set_terminated(parent, "FAILED")
+    return error
+
+
+def failed_why(client, parent: str) -> str | None:
+    """Why the parent run ended FAILED (its klbench.error or klbench.sweep.result tag), None unless it did."""
+    run = client.get_run(parent)
+    if run.info.status != "FAILED":
+        return None
+    tags = run.data.tags
+    return tags.get("klbench.error") or tags.get("klbench.sweep.result") or "see the sweep's log"
 
 
 def abandon(tracking_uri: str, parent: str) -> None:
