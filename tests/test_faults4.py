@@ -235,3 +235,20 @@ def test_a_sweep_whose_parent_ends_failed_does_not_exit_0(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "ended FAILED" in proc.stderr, proc.stderr[-3000:]
+
+
+# ---- smaller findings ----
+
+@pytest.mark.parametrize("answer", ['""', '"   "', "NaN", '"#### "'])
+def test_empty_blank_or_nan_reference_answers_are_refused(tmp_path, answer):
+    """Such prompts can never score under reward=answer; they were accepted without a word."""
+    from klbench.config.errors import ConfigError
+    from klbench.models.data import load_answers
+    from test_answer import _ds
+    rows = ['{"q": "1+1=", "a": "2"}', f'{{"q": "2+5=", "a": {answer}}}']
+    (train := tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    (val := tmp_path / "val.jsonl").write_text(rows[0] + "\n")
+    cfg = _ds(source="jsonl", train_path=str(train), val_path=str(val), field="q", answer_field="a")
+    with pytest.raises(ConfigError, match=rf"^{train}: 1 of 2 rows have an empty, blank or NaN reference answer in "
+                                          r"dataset.answer_field='a' \(the first: row 2 .*prompt '2\+5='\)"):
+        load_answers(cfg)

@@ -1,6 +1,7 @@
 """Prompt datasets (config group `dataset`): embedded review openings, a jsonl file, or an HF dataset."""
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -80,13 +81,17 @@ def load_answers(cfg, policy=None) -> Mapping[str, str]:
         raise ValueError(f"reward=answer needs dataset.answer_field, the field of each row holding the reference "
                          f"answer (dataset={cfg.source})")
     elif cfg.source == "jsonl":
-        pairs = [pa for key in ("train_path", "val_path") for pa in read_rows(cfg[key], cfg.field, field, chat)]
+        sources = [(cfg[key], read_rows(cfg[key], cfg.field, field, chat)) for key in ("train_path", "val_path")]
     elif cfg.source == "hf":
-        pairs = [pa for split in (cfg.train_split, cfg.val_split)
-                 for pa in _hf_pairs(cfg.name, split, cfg.field, cfg.prompt_words, cfg.max_val if split ==
-                                     cfg.val_split else cfg.max_train, chat, field)]
+        sources = [(f"dataset.name={cfg.name} (split {split!r})",
+                    _hf_pairs(cfg.name, split, cfg.field, cfg.prompt_words,
+                              cfg.max_val if split == cfg.val_split else cfg.max_train, chat, field))
+                   for split in (cfg.train_split, cfg.val_split)]
     else:
         raise ValueError(f"dataset.source must be embedded, jsonl or hf; got {cfg.source!r}")
+    for source, rows in sources:
+        check_references(rows, source, field)
+    pairs = [pa for _, rows in sources for pa in rows]
     if chat:  # the rollout's prompts are the rendered ones
         keys = _render(cfg, policy, [q for q, _ in pairs], "train and val")
         pairs = [(k, a) for k, (_, a) in zip(keys, pairs)]
@@ -97,6 +102,20 @@ def load_answers(cfg, policy=None) -> Mapping[str, str]:
             raise ValueError(f"the prompt {prompt[:80]!r} appears with two reference answers ({out[prompt]!r}, "
                              f"{ref!r}): reward=answer could not tell which to score against")
     return out
+
+
+def check_references(pairs: list[tuple[object, object]], source: str, field: str) -> None:
+    """A prompt whose reference answer is empty, blank or NaN (JSON's NaN, a missing value in a table turned into
+    a dataset) can never score under reward=answer: refused in one line, with how many and the first."""
+    from klbench.models.answer import reference_answer
+    empty = [i for i, (_, a) in enumerate(pairs)
+             if a is None or (isinstance(a, float) and math.isnan(a)) or not reference_answer(a)]
+    if empty:
+        first = pairs[empty[0]][0]
+        raise ConfigError(f"{source}: {len(empty)} of {len(pairs)} rows have an empty, blank or NaN reference answer "
+                          f"in dataset.answer_field={field!r} (the first: row {empty[0] + 1} of the non-blank rows, "
+                          f"prompt {str(first)[:60]!r}); reward=answer can never score those prompts: fill in "
+                          "their answers or remove the rows")
 
 
 def _read_hf(name: str, split: str, field: str, words: int | None, limit: int, chat: bool) -> list:
