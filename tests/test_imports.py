@@ -163,6 +163,7 @@ LAYERS = {
     "tasks": {"estimators", "exact", "models", "probe", "record", "console", "config", "libraries"},
     "config": {"estimators", "probe", "models", "record"},  # the edge: options are declared below it
     "libraries": {"estimators", "exact", "record", "analysis", "console"},
+    "integrations": {"estimators"},  # klbench inside TRL / verl; nothing of klbench imports it
     "sweep": {"estimators", "exact", "models", "record", "console", "analysis", "config", "tasks"},
     "cli": {"estimators", "exact", "record", "console", "models", "probe", "analysis", "tasks", "config", "sweep"},
 }
