@@ -8,9 +8,12 @@ and other redirected output get no bar (train.build_trainer).
 
 StepLines is the bar's stand-in for long work whose output is not a terminal (the embedded pretraining,
 minutes on a CPU): a line every tenth of the steps, with the same values, the time taken and the time left.
+TrainingLines is the training's (SLURM logs, nohup, CI): also every `seconds` (KLBENCH_PROGRESS_SECONDS,
+default 60) when a tenth takes longer, with the rate, and in a sweep the trial it belongs to.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -23,8 +26,16 @@ SHOWN = (("reward", ("train/reward",)), ("KL", ("train/kl_rb", "train/kl_mc")),
          ("val reward", ("val/reward",)), ("val KL", ("val/seq_kl",)))
 
 
+SECONDS_ENV = "KLBENCH_PROGRESS_SECONDS"
+
+
 def wanted() -> bool:
     return sys.stderr.isatty()
+
+
+def lines() -> list:
+    """The training's progress where there is no bar (train.build_trainer): output that is not a terminal."""
+    return [] if wanted() else [TrainingLines()]
 
 
 class StepProgressBar(ProgressBar):
@@ -95,14 +106,14 @@ class StepLines(Callback):
     """`klbench: <what>: step 80/800 (10%), loss 3.1, 21 s so far, about 190 s left` on stderr, at every tenth
     of trainer.max_steps and at the end: progress a log file or a pipe can show, where a bar cannot."""
 
-    def __init__(self, what: str, parts: int = 10) -> None:
-        self.what, self.parts = what, parts
-        self.t0 = 0.0
+    def __init__(self, what: str, parts: int = 10, seconds: float | None = None) -> None:
+        self.what, self.parts, self.seconds = what, parts, seconds
+        self.t0 = self.last = 0.0
         self.first = 0  # the step training started (or resumed) at: the rate counts steps from it
         self.next = 0  # the step of the next line
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.t0 = time.time()
+        self.t0 = self.last = time.time()
         self.first = trainer.global_step
         self.next = self._after(trainer.global_step, trainer.max_steps)
 
@@ -113,7 +124,8 @@ class StepLines(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, total = trainer.global_step, trainer.max_steps
-        if step < self.next or step >= total:  # the last step's line comes from on_train_end
+        due = self.seconds is not None and time.time() - self.last >= self.seconds
+        if (step < self.next and not due) or step >= total:  # the last step's line comes from on_train_end
             return
         self.next = self._after(step, total)
         self.line(trainer, pl_module)
@@ -122,10 +134,55 @@ class StepLines(Callback):
         self.line(trainer, pl_module)
 
     def line(self, trainer, pl_module) -> None:
+        self.last = time.time()
         step, total = trainer.global_step, trainer.max_steps
-        took = time.time() - self.t0
+        took = self.last - self.t0
         done = step - self.first
         left = f", about {took / done * (total - step):.0f} s left" if 0 < done and step < total else ""
-        values = StepProgressBar.postfix(trainer, pl_module)
-        print(f"klbench: {self.what}: step {step}/{total} ({step / total:.0%})" + (f", {values}" if values else "")
-              + f", {took:.0f} s so far{left}", file=sys.stderr, flush=True)
+        values = [self.rate(done, took), StepProgressBar.postfix(trainer, pl_module)]
+        print(f"klbench: {self.what}: step {step}/{total} ({step / total:.0%})"
+              + "".join(f", {v}" for v in values if v) + f", {took:.0f} s so far{left}", file=sys.stderr, flush=True)
+
+    def rate(self, done: int, took: float) -> str:
+        return ""  # the pretraining's lines show the time left only
+
+
+class TrainingLines(StepLines):
+    """`klbench: training: step 12/120 (10%), 1.31 steps/s, reward 0.412, KL 0.52, 9 s so far, about 83 s left`
+    on stderr where it is not a terminal: at every tenth of the steps, and every `seconds` when a tenth takes
+    longer, so that a log watcher sees the run alive. In a sweep `training` is `trial 3 (<its run name>)`, 3
+    being its folder's number. Rank zero only (DDP)."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        if seconds is None:
+            seconds = float(os.environ.get(SECONDS_ENV) or 60)
+        super().__init__(trial_label() or "training", seconds=seconds)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if getattr(trainer, "is_global_zero", True):  # said once, so that a stall before step 1 shows too
+            print(f"klbench: {self.what}: step {trainer.global_step}/{trainer.max_steps}, a line every "
+                  f"{max(1, trainer.max_steps // self.parts)} steps or {self.seconds:g} s ({SECONDS_ENV})",
+                  file=sys.stderr, flush=True)
+
+    def line(self, trainer, pl_module) -> None:
+        if getattr(trainer, "is_global_zero", True):
+            super().line(trainer, pl_module)
+
+    def rate(self, done: int, took: float) -> str:
+        return f"{done / took:.3g} steps/s" if done > 0 and took > 0 else ""
+
+
+def trial_label() -> str | None:
+    """`trial 3 (rb b=0.0443 s0 rl-tabular)` in a sweep's trial (Hydra's job number, which names its folder,
+    and the run name the sweep gave it), else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return None
+        num = HydraConfig.get().job.num
+    except Exception:  # no Hydra job: a Python caller
+        return None
+    name = os.environ.get("KLBENCH_RUN_NAME")  # set by the sweep for each trial (klbench.sweep.trial)
+    return f"trial {num}" + (f" ({name})" if name else "")

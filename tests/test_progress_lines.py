@@ -1,0 +1,87 @@
+"""Progress where output is not a terminal (issue 42, item 4): SLURM logs, nohup and CI saw nothing between a
+run's start and its end block. Now a line at every tenth of the steps, or every KLBENCH_PROGRESS_SECONDS when a
+tenth takes longer, with the step, the rate and the latest reward and KL; a sweep's lines name the trial
+(klbench.console.progress.TrainingLines)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from test_sweeps import cli_env
+
+from klbench.console import progress
+
+LINE = re.compile(r"klbench: (?P<who>.+?): step (?P<step>\d+)/(?P<total>\d+) \(\d+%\), (?P<rate>[\d.]+) steps/s, "
+                  r"reward (?P<reward>[-\d.e]+), KL (?P<kl>[-\d.e]+)(, val reward [-\d.e]+, val KL [-\d.e]+)?, "
+                  r"\d+ s so far(, about \d+ s left)?")
+
+
+def _drive(lines, steps: int, seconds_per_step: float, monkeypatch) -> list[int]:
+    """The steps at which `lines` prints, on a fake clock that advances seconds_per_step per step."""
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "time", lambda: clock[0])
+    trainer = SimpleNamespace(max_steps=steps, global_step=0, callback_metrics={}, progress_bar_metrics={})
+    module = SimpleNamespace(last_logged={"train/reward": 0.5, "train/kl_rb": 0.25})
+    lines.on_train_start(trainer, module)
+    for step in range(1, steps + 1):
+        clock[0] += seconds_per_step
+        trainer.global_step = step
+        lines.on_train_batch_end(trainer, module, None, None, step - 1)
+    lines.on_train_end(trainer, module)
+    return trainer
+
+
+def test_a_line_every_tenth_or_every_n_seconds_whichever_comes_first(monkeypatch, capsys):
+    _drive(progress.TrainingLines(seconds=60), 100, 1.0, monkeypatch)  # a tenth (10 s) before 60 s
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "klbench: training: step 0/100, a line every 10 steps or 60 s (KLBENCH_PROGRESS_SECONDS)"
+    assert [int(LINE.fullmatch(e)["step"]) for e in err[1:]] == list(range(10, 101, 10)), err
+    m = LINE.fullmatch(err[1])
+    assert (m["rate"], m["reward"], m["kl"]) == ("1", "0.5", "0.25"), err[1]
+
+    _drive(progress.TrainingLines(seconds=25), 100, 10.0, monkeypatch)  # a tenth takes 100 s: every 25 s
+    err = capsys.readouterr().err.splitlines()
+    steps = [int(LINE.fullmatch(e)["step"]) for e in err[1:]]
+    assert steps[:4] == [3, 6, 9, 10] and steps[-1] == 100, steps  # 30 s since the last line, then the tenth
+    assert LINE.fullmatch(err[1])["rate"] == "0.1"
+
+
+def test_the_seconds_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv(progress.SECONDS_ENV, "7.5")
+    assert progress.TrainingLines().seconds == 7.5
+
+
+def test_a_terminal_gets_the_bar_and_no_lines(monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress.lines() == []
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert [type(c) for c in progress.lines()] == [progress.TrainingLines]
+
+
+def _klbench_to_a_file(tmp_path, *args: str) -> str:
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:  # stdout and stderr to a file, as SLURM and nohup write them
+        proc = subprocess.run([sys.executable, "-m", "klbench.cli", *args], cwd=tmp_path, stdout=f,
+                              stderr=subprocess.STDOUT, env=cli_env(tmp_path / "outputs"), timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+def test_a_run_with_output_to_a_file_shows_progress_lines(tmp_path):
+    text = _klbench_to_a_file(tmp_path, "experiment=tabular", "task.max_steps=20", "logger=csv")
+    assert "klbench: training: step 0/20, a line every 2 steps or 60 s" in text
+    found = [LINE.fullmatch(line) for line in text.splitlines() if line.startswith("klbench: training: step ")]
+    found = [m for m in found if m]
+    assert [int(m["step"]) for m in found] == list(range(2, 21, 2)), text[-3000:]
+    assert all(m["who"] == "training" and float(m["rate"]) > 0 for m in found)
+    assert float(found[-1]["kl"]) > 0  # the latest KL, not the first
+
+
+def test_a_sweeps_lines_say_which_trial_runs(tmp_path):
+    text = _klbench_to_a_file(tmp_path, "-m", "sweep=rl_beta", "experiment=tabular", "hydra.sweeper.n_trials=2",
+                              "task.max_steps=10", "task.val_every=10")
+    who = {m["who"] for m in map(LINE.fullmatch, text.splitlines()) if m}
+    assert len(who) == 2 and all(re.fullmatch(r"trial [01] \(b=[\d.]+ rb s0 rl-tabular\)", w) for w in who), who
