@@ -45,11 +45,22 @@ def _lora_args(base: str, run_dir: Path, *extra: str) -> list[str]:
 
 def test_lora_resumes_refused_in_one_line_leave_the_finished_run(tmp_path, tiny_arch):
     base = str(shutil.copytree(tiny_arch("llama")[0], tmp_path / "base"))
+    generation = Path(base, "generation_config.json")
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "repetition_penalty": 1.2}))
     outputs, run_dir = tmp_path / "outputs", tmp_path / "D"
     first = klbench(outputs, *_lora_args(base, run_dir, "task.max_steps=8"))
     assert first.returncode == 0, first.stderr[-3000:]
     client = client_of(outputs)
     (run,) = all_runs(client)
+    # issue 42, item 5: what the run uses, once at its start and as params; its name says the rank
+    for line in ("klbench: a response ends at any of the tokens 1 (</s>), 4 (<|im_end|>)\n",
+                 "klbench: LoRA rank 4 (alpha 16) on q_proj, v_proj (peft's default): 896 trainable parameters of ",
+                 f"klbench: {base}'s generation_config sets repetition_penalty=1.2, which klbench does not apply"):
+        assert first.stdout.count(line) == 1, first.stdout[-3000:]
+    assert {k: v for k, v in run.data.params.items() if k.startswith("used.")} == {
+        "used.stop_ids": "1 (</s>), 4 (<|im_end|>)", "used.lora_rank": "4", "used.lora_modules": "q_proj,v_proj",
+        "used.trainable_params": "896", "used.generation_config.unapplied": "repetition_penalty=1.2"}
+    assert run.info.run_name == "naive_mc b=1 r=4 s0 rl-hf"
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     intact = ckpt.read_bytes()
     longer = ("task.max_steps=12", "ckpt_path=last")
@@ -87,6 +98,17 @@ def test_lora_resumes_refused_in_one_line_leave_the_finished_run(tmp_path, tiny_
     proc = klbench(outputs, *_lora_args(base, run_dir, *longer, "ckpt_allow_changes=[task.max_steps]"))
     one_line_error(proc, "FINISHED at step 8", "deleted or moved")
     unchanged()
+
+    # the intact checkpoint on the original base still trains on, without Lightning's not-resumable notice
+    ckpt.write_bytes(intact)
+    for name in os.listdir(original := tiny_arch("llama")[0]):
+        if name.endswith(".safetensors"):
+            shutil.copy(os.path.join(original, name), os.path.join(base, name))
+    proc = klbench(outputs, *_lora_args(base, run_dir, *longer, "ckpt_allow_changes=[task.max_steps]"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not resumable" not in proc.stderr + proc.stdout
+    (now,) = all_runs(client)
+    assert now.info.status == "FINISHED" and now.data.tags[runs.STEPS_DONE] == "12"
 
 
 # ---- 2 and 4: a model folder's files that cannot be used are named ----
@@ -252,3 +274,57 @@ def test_empty_blank_or_nan_reference_answers_are_refused(tmp_path, answer):
     with pytest.raises(ConfigError, match=rf"^{train}: 1 of 2 rows have an empty, blank or NaN reference answer in "
                                           r"dataset.answer_field='a' \(the first: row 2 .*prompt '2\+5='\)"):
         load_answers(cfg)
+
+
+def test_the_run_name_says_what_sets_it_apart_within_its_task():
+    """experiment=arith's run was named `rb b=0.02 s0 rl-embedded`, like the VADER default (issue 42, item 5)."""
+    from klbench.config.compose import compose
+    from klbench.record.experiments import run_name
+    assert run_name(compose([])) == "rb b=0.05 s0 rl-embedded"
+    assert run_name(compose(["experiment=arith"])) == "rb b=0.02 grpo s0 rl-embedded:arith"
+    assert run_name(compose(["experiment=tabular", "task.temperature=0.7", "task.top_p=0.9"])) == \
+        "rb b=0.5 T=0.7 top_p=0.9 s0 rl-tabular"
+
+
+def test_a_chat_template_run_names_its_template(tmp_path, tiny_arch, capsys):
+    from klbench.models.policies import build_policy
+    from klbench.tasks.train import shown_uses
+    from test_instruct import ROWS, _chat_cfg
+    cfg = _chat_cfg(tmp_path, tiny_arch("llama")[0], ROWS, "dataset.chat_template=true")
+    uses = shown_uses(cfg, build_policy(cfg.model, cfg.task.max_new_tokens))
+    template = str(Path(tiny_arch("llama")[0], "chat_template.jinja"))
+    assert uses["used.chat_template"] == template and "used.lora_rank" not in uses
+    assert f"klbench: prompts rendered with the chat template {template}\n" in capsys.readouterr().out
+
+
+def test_lora_runs_started_at_once_and_one_killed_and_resumed(tmp_path, tiny_arch):
+    """As every round, on the LoRA path after these changes: three runs started at once on a fresh outputs folder
+    all finish, each in its own folder; one killed with kill -9 after its first checkpoint resumes to the end with
+    every train/ step logged once."""
+    import signal
+    import time
+    from test_record import steps
+    base, outputs = tiny_arch("llama")[0], tmp_path / "outputs"
+    cmd = [sys.executable, "-m", "klbench.cli"]
+    procs = [subprocess.Popen([*cmd, *_lora_args(base, tmp_path / f"R{i}", f"seed={i}", "task.max_steps=8")],
+                              cwd=tmp_path, env=env_for(outputs), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for i in range(3)]
+    long = ("seed=9", "task.max_steps=100", "task.val_every=20")
+    killed = subprocess.Popen([*cmd, *_lora_args(base, tmp_path / "K", *long)], cwd=tmp_path,
+                              env=env_for(outputs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()[-3000:]
+    ckpt = tmp_path / "K" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not ckpt.is_file() and time.time() < deadline and killed.poll() is None:
+        time.sleep(0.1)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    resumed = klbench(outputs, *_lora_args(base, tmp_path / "K", *long, "ckpt_path=last"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step" in resumed.stderr + resumed.stdout  # killed mid-run, not after its end
+    client = client_of(outputs)
+    found = all_runs(client)
+    assert len(found) == 4 and all(r.info.status == "FINISHED" for r in found), [r.info.status for r in found]
+    (k,) = [r for r in found if r.data.params["seed"] == "9"]
+    assert steps(client, k.info.run_id, "train/reward") == list(range(100))  # each step once

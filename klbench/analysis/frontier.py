@@ -225,13 +225,18 @@ NOT_COMPARED = ("estimator", "seed", *BOOKKEEPING,
 # params a run derives from its config (klbench.models.policies.sampling_params) -> the keys they follow: a key that
 # may vary lets what it sets vary too (a sweep over task.temperature has runs of different `sampling.used`)
 DERIVED = {"sampling.used": ("task.temperature", "task.top_k", "task.top_p", "model.generation_config", "model"),
-           "sampling.kl_target": ("task.kl_target",)}
+           "sampling.kl_target": ("task.kl_target",),
+           # what a language-model run uses (klbench.tasks.train.shown_uses): the model's files and options
+           "used.stop_ids": ("model",), "used.chat_template": ("model", "dataset"),
+           "used.trainable_params": ("model",), "used.lora_rank": ("model",), "used.lora_modules": ("model",),
+           "used.generation_config.unapplied": ("model",)}
 
 
 def with_derived(vary: Sequence[str]) -> list[str]:
-    """`vary` and the derived params (DERIVED) of any key in it, or under it (`task` covers task.temperature)."""
+    """`vary` and the derived params (DERIVED) that follow a key in it, above it or under it (`task` covers
+    task.temperature; model.lora.r is one of `model`'s)."""
     def covers(v: str, key: str) -> bool:
-        return key == v or key.startswith(v + ".")
+        return key == v or key.startswith(v + ".") or v.startswith(key + ".")
     return [*vary, *(d for d, sources in DERIVED.items() if any(covers(v, s) for v in vary for s in sources))]
 
 

@@ -5,6 +5,7 @@
     check_same_vocab(tok_a, tok_b, what_a="policy", what_b="reference")
     context_length(config) -> ("n_positions", 1024): the positions prompt and response share
     generation_defaults(model) -> ([stop ids], {"temperature": 0.7, ...}): what its generation_config sets
+    unapplied_generation_options(model) -> {"repetition_penalty": 1.2, ...}: what it sets that klbench does not apply
 
 The embedded models are folders like any other: klbench.models.embedded builds and caches
 them, and they load here.
@@ -50,6 +51,22 @@ def generation_defaults(model) -> tuple[list[int], dict]:
     eos = g.eos_token_id
     ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
     return ids, {k: getattr(g, k) for k in ("temperature", "top_k", "top_p") if getattr(g, k, None) is not None}
+
+
+# generation_config entries that klbench's sampling honours (the stop ids; temperature, top_k, top_p, said by
+# klbench.models.policies), or that change nothing in it (it always samples; ids and transformers' bookkeeping)
+_HONOURED = {"temperature", "top_k", "top_p", "do_sample", "eos_token_id", "pad_token_id", "bos_token_id",
+             "decoder_start_token_id", "transformers_version", "_from_model_config", "use_cache"}
+
+
+def unapplied_generation_options(model) -> dict:
+    """What a model's generation_config sets that klbench's rollouts do not apply, e.g. {"repetition_penalty": 1.2,
+    "no_repeat_ngram_size": 3}: its non-default entries (GenerationConfig.to_diff_dict) less _HONOURED. Under
+    task.max_new_tokens, the folder's max_length or max_new_tokens are among them."""
+    g = getattr(model, "generation_config", None)
+    if g is None:
+        return {}
+    return {k: v for k, v in sorted(g.to_diff_dict().items()) if k not in _HONOURED}
 
 
 # ----------------------------------------------------------------------------- loading (hub id or local path)

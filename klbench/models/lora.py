@@ -2,6 +2,7 @@
 
     policy = add_lora(model, r=8, alpha=16, dropout=0.0, target_modules=None)   # peft.PeftModel, base frozen
     ref = WithoutAdapter(policy)          # the reference: the same weights, adapter disabled, no second copy
+    lora_summary(policy) -> {"rank": 8, "alpha": 16, "modules": [...], "trainable": n, "total": N}
 
 One copy of the weights is held, as TRL, OpenRLHF and ART do. pi_ref is exactly the base: a peft LoRA layer
 with its adapter disabled returns the base layer's output as is (tests/test_lora.py checks the log-probs
@@ -36,6 +37,15 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
                           f"{type(model).__name__} ({str(e).splitlines()[0]}); its linear modules are named "
                           f"{linear_module_names(model)}") from None
     return wrapped
+
+
+def lora_summary(model) -> dict[str, object]:
+    """What a LoRA policy trains: {"rank": 4, "alpha": 16, "modules": ["q_proj", "v_proj"] (the names peft chose,
+    or model.lora.target_modules), "trainable": adapter parameters, "total": every parameter, the base's included}."""
+    config = model.peft_config[model.active_adapter]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"rank": config.r, "alpha": config.lora_alpha, "modules": sorted(config.target_modules or []),
+            "trainable": trainable, "total": sum(p.numel() for p in model.parameters())}
 
 
 def linear_module_names(model) -> list[str]:

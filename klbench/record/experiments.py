@@ -163,8 +163,9 @@ def estimator_label(est) -> str:
 
 def run_name(cfg) -> str:
     """A single run's name, what tells runs apart first (MLflow's run table shows about 20 characters): the
-    estimator, beta (or the adaptive controller's KL target and signal), its options, the seed; then task and
-    model: `rb b=0.05 s0 rl-tabular`. A sweep's trials: trial_name."""
+    estimator, beta (or the adaptive controller's KL target and signal), its options, what else sets it apart
+    within its task (APART), the seed; then task and model, with an embedded model's preset:
+    `rb b=0.05 s0 rl-tabular`, `rb b=0.02 grpo s0 rl-embedded:arith`. A sweep's trials: trial_name."""
     est = cfg.estimator
     parts = [estimator_label(est)]
     ctl = cfg.get("kl_ctl")
@@ -176,8 +177,32 @@ def run_name(cfg) -> str:
         parts.append(f"l={est.lam:g}")
     if est.get("level") == "sequence":
         parts.append("seqlevel")
-    parts += [f"s{cfg.seed}", f"{cfg.task.name}-{cfg.model.kind}"]
+    parts += [*apart(cfg), f"s{cfg.seed}", task_model(cfg)]
     return redact(" ".join(parts))
+
+
+# settings that set a run apart within its task, each named only where it is not the task's default:
+# (key, default, label); experiment=arith's `grpo`, a sampler's `T=0.7`, a LoRA rank's `r=8`
+APART = (("task.advantage", "rloo", "{}"), ("task.temperature", 1.0, "T={:g}"), ("task.top_k", 0, "top_k={}"),
+         ("task.top_p", 1.0, "top_p={:g}"), ("task.kl_target", "sampler", "kl={}"), ("model.lora.r", None, "r={}"))
+
+
+def apart(cfg, skip: tuple[str, ...] = ()) -> list[str]:
+    """The labels of APART's settings that differ from their defaults (`skip`: keys named elsewhere)."""
+    from omegaconf import OmegaConf
+    out = []
+    for key, default, label in APART:
+        value = OmegaConf.select(cfg, key, default=default)
+        if key not in skip and value is not None and value != default:
+            out.append(label.format(value))
+    return out
+
+
+def task_model(cfg) -> str:
+    """`rl-tabular`, `rl-hf`, `rl-embedded`; an embedded model of another preset than the reference names it:
+    `rl-embedded:arith` (experiment=arith), `distill-embedded:student`."""
+    preset = cfg.model.get("preset") if cfg.model.kind == "embedded" else None
+    return f"{cfg.task.name}-{cfg.model.kind}" + (f":{preset}" if preset and preset != "reference" else "")
 
 
 def trial_name(cfg, swept: dict) -> str:
@@ -189,5 +214,5 @@ def trial_name(cfg, swept: dict) -> str:
         if key not in NAMED_ANYWAY:
             value = f"{value:.3g}" if isinstance(value, float) else str(value)
             parts.append(f"{SHORT.get(key, key.rsplit('.', 1)[-1])}={value}")
-    parts += [estimator_label(cfg.estimator), f"s{cfg.seed}", f"{cfg.task.name}-{cfg.model.kind}"]
+    parts += [estimator_label(cfg.estimator), *apart(cfg, tuple(swept)), f"s{cfg.seed}", task_model(cfg)]
     return redact(" ".join(parts))[:250]  # MLflow keeps run names up to 250 characters
