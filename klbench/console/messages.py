@@ -191,6 +191,7 @@ def print_run_where(cfg, logger) -> None:
     `logger` as klbench.record.tracking.build_logger returns it: a RecordLogger, a CSVLogger, or False.
     A sweep's trial leaves how to look at it to the sweep's end, which prints it once, for the parent."""
     lines = [("run folder", os.path.abspath(os.path.dirname(cfg.paths.ckpt_dir)))]
+    lines += export_lines(cfg)
     client = getattr(logger, "client", None)
     if client is not None:  # an MLflow RecordLogger on rank zero
         info = client.get_run(logger.run_id).info
@@ -203,6 +204,18 @@ def print_run_where(cfg, logger) -> None:
     elif not logger:
         lines.append(("MLflow run", "none (logger=none)"))
     print_where(lines)
+
+
+def export_lines(cfg) -> list[tuple[str, str]]:
+    """How to take the trained policy out as a save_pretrained folder (klbench.tasks.export), where the run
+    has a checkpoint of a language model (task=probe writes none, the tabular model has no such form)."""
+    import shlex
+    ckpt = os.path.join(cfg.paths.ckpt_dir, "last.ckpt")
+    if not os.path.isfile(ckpt) or cfg.model.get("kind") == "tabular":
+        return []
+    command = f"klbench-export {shlex.quote(os.path.abspath(os.path.dirname(cfg.paths.ckpt_dir)))}"
+    lora = (cfg.model.get("lora") or {}).get("r")
+    return [("to export", command + ("   (--adapter: the LoRA adapter alone)" if lora else ""))]
 
 
 def print_where(lines: list[tuple[str, str]]) -> None:
