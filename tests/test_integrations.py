@@ -4,6 +4,8 @@ The exact tests compare each integration's KL gradient with the gradient of klbe
 batch computed the plain way (full logits, KLBatch(logits=..., ref_logits=...)), so the integrations inherit the
 estimators' exact tests (tests/test_tabular.py).
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -17,9 +19,9 @@ def _reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def _trainer(kind, arch_dirs, tmp_path, estimator, **config):
+def _trainer(kind, arch_dirs, tmp_path, estimator, peft_config=None, **config):
     """A klbench TRL trainer on a tiny model whose reference is another model of the same vocabulary (at
-    pi = pi_ref every KL gradient is zero)."""
+    pi = pi_ref every KL gradient is zero); with peft_config, a LoRA policy whose reference is its base."""
     pytest.importorskip("trl")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -32,8 +34,9 @@ def _trainer(kind, arch_dirs, tmp_path, estimator, **config):
                   max_completion_length=8, temperature=TEMP, report_to="none", use_cpu=True, use_vllm=False,
                   save_strategy="no", logging_steps=1, **config)
     trainer = cls(model=policy, reward_funcs=_reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                  kl_estimator=estimator)
-    trainer.ref_model.load_state_dict(AutoModelForCausalLM.from_pretrained(teacher).state_dict())
+                  kl_estimator=estimator, peft_config=peft_config)
+    if peft_config is None:
+        trainer.ref_model.load_state_dict(AutoModelForCausalLM.from_pretrained(teacher).state_dict())
     return trainer
 
 
@@ -62,8 +65,11 @@ def _plain_batch(trainer, inputs, old_shift=None):
     K = inputs["completion_ids"].shape[1]
     tokens = inputs["completion_ids"].unsqueeze(-1)
     logits = trainer.model(input_ids=ids, attention_mask=attention).logits[:, -K - 1:-1] / TEMP  # [B, K, V]
-    with torch.no_grad():
-        ref_logits = trainer.ref_model(input_ids=ids, attention_mask=attention).logits[:, -K - 1:-1] / TEMP
+    with torch.no_grad():  # the reference model, or a peft policy's base with the adapter off
+        ref, off = (trainer.ref_model, contextlib.nullcontext()) if trainer.ref_model is not None else \
+            (trainer.model, trainer.model.disable_adapter())
+        with off:
+            ref_logits = ref(input_ids=ids, attention_mask=attention).logits[:, -K - 1:-1] / TEMP
     logp = logits.log_softmax(-1).gather(-1, tokens).squeeze(-1)
     old = None if old_shift is None else (logp + old_shift).detach()
     return KLBatch(logp, ref_logits.log_softmax(-1).gather(-1, tokens).squeeze(-1),
@@ -115,6 +121,31 @@ def test_trl_kl_gradient_is_klbench_surrogate_gradient(tiny_arch, tmp_path, sing
         g = torch.zeros_like(p) if g is None else g
         w = torch.zeros_like(p) if w is None else w
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_trl_kl_gradient_with_a_peft_policy(tiny_arch, tmp_path, single_thread):
+    """A LoRA policy: TRL loads no reference model, the reference is the base with the adapter off. The
+    adapter's gradient is the plain surrogate's."""
+    peft = pytest.importorskip("peft")
+    trainer = _trainer("grpo", tiny_arch("llama"), tmp_path, "rb", bf16=False,
+                       peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert trainer.ref_model is None
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a fresh adapter is the identity (lora_B = 0): move pi away from its base
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    inputs = _inputs(trainer)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(trainer._compute_loss(trainer.model, inputs), params)
+    batch = _plain_batch(trainer, inputs)
+    want = torch.autograd.grad(BETA * gradient_estimator("rb")(batch).sum() / batch.mask.sum(), params)
+    scale = max(w.abs().max().item() for w in want)
+    assert scale > 0.1
+    for g_, w in zip(got, want):
+        torch.testing.assert_close(g_, w, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_grpo_trains_end_to_end_with_rb(tiny_arch, tmp_path, single_thread):
