@@ -34,7 +34,7 @@ FULL_LOGITS = ("topk_tail", "topk_trunc")  # they rank the whole vocabulary per 
 
 def lm_head(model, temperature: float) -> LMHead:
     """How `model`'s logits come from its final hidden states, as TRL's fused head applies them
-    (trl/trainer/utils.py:1590-1606): output embeddings, the config's logit scale, Gemma's final-logit
+    (trl/trainer/utils.py:1577-1590): output embeddings, the config's logit scale, Gemma's final-logit
     softcapping, then TRL's sampling temperature."""
     config = model.config.get_text_config()
     scale = getattr(config, "logit_scale", None)
