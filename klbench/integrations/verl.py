@@ -1,7 +1,8 @@
 """klbench's gradient estimators as the KL term of verl 0.9.1's actor loss.
 
     from klbench.integrations.verl import ppo_loss
-    trainer.actor_rollout_wg.set_loss_fn(ppo_loss("cumulative"))   # after trainer.init_workers()
+    # after trainer.init_workers(); actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor), as verl binds it
+    trainer.actor_rollout_wg.set_loss_fn(functools.partial(ppo_loss("cumulative"), config=actor))
 
 verl's registries cannot carry a KL estimator (docs/integrations.md): a policy loss registered with
 `register_policy_loss` (verl/trainer/ppo/core_algos.py:53) is called with old_log_prob, log_prob, advantages,
