@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from klbench.estimators.sampling import Sampling, target_batch
-from klbench.models.gpt2_score import sdpa_mask
 from klbench.models.hf import load_causal_lm
 from klbench.models.policies import LMPolicy
 from klbench.models.rollout import position_ids_from_mask
@@ -33,7 +32,7 @@ def _policy(path, ref_path=None, **kw) -> LMPolicy:
 
 def _scored(policy, ro):
     """The two models' [B, L, V] logits as LMPolicy scores them: the policy's a leaf with grad."""
-    pos, att = position_ids_from_mask(ro.attention), sdpa_mask(ro.attention)
+    pos, att = position_ids_from_mask(ro.attention), None
     with torch.no_grad():
         logits, ref = policy._logits(policy.model, ro, pos, att), policy._logits(policy.ref, ro, pos, att)
     return logits.requires_grad_(), ref
@@ -69,19 +68,19 @@ def test_rb_gradient_is_the_same_written_into_the_reference_logits(pair, samplin
 
 
 def test_the_policy_step_gives_up_the_reference_logits(pair):
-    """LMPolicy.score(kappa=True), rb's path, hands its reference logits to backward, and its gradient of every
-    parameter is the one of a batch that keeps them."""
+    """LMPolicy.score(kappa=True) on the logits path hands its reference logits to backward, and its gradient of
+    every parameter is the one of a batch that keeps them."""
     policy = _policy(*pair)
     torch.manual_seed(0)
     ro = policy.rollout(PROMPTS, 3)
-    batch = policy.score(ro, kappa=True)
+    batch = policy.score(ro, kappa=True, logits=True)
     ref = batch.ref_logits
     kept = ref.clone()
     _loss(batch).backward()
     assert not torch.equal(ref, kept)  # backward wrote the gradient into them
     got = [p.grad.clone() for p in policy.trainable()]
     policy.model.zero_grad()
-    pos, att = position_ids_from_mask(ro.attention), sdpa_mask(ro.attention)
+    pos, att = position_ids_from_mask(ro.attention), None
     logits = policy._logits(policy.model, ro, pos, att)
     _loss(target_batch(logits, kept, ro.tokens[:, ro.prompt_len:], ro.mask, policy.sampling, policy.kl_target,
                        kappa=True)).backward()

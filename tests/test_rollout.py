@@ -1,5 +1,4 @@
 """The rollout engine (klbench/models/rollout.py): the same tokens as generate(), the same log-probs as scoring."""
-import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,7 +10,6 @@ from klbench.models.embedded import ensure_embedded_lm
 from klbench.models.hf import load_causal_lm
 from klbench.models.policies import LMPolicy
 from klbench.models.gpt2_decode import gpt2_decoder, unsupported
-from klbench.models.gpt2_score import gpt2_logits, sdpa_mask
 from klbench.models.rollout import exp_noise, generate_sample, kv_cache_sample, position_ids_from_mask
 
 # prompts of different lengths: the batch is left-padded
@@ -158,46 +156,6 @@ def decode_matches_forward(model, decoder, ids, attn, steps: int = 12):
                         use_cache=True, logits_to_keep=1)
             cache = ref.cache
             assert torch.equal(step(t, p), ref.logits[:, -1])
-
-
-def _scored_both_ways(model, case: str, ctx=contextlib.nullcontext):
-    """(logits, grads) of the fused scoring pass and of the model's forward, on 6 sequences of 14 tokens shaped
-    by `case` (padded: left pads of different lengths; unpadded: none; ended: pads after a response's end), on
-    the model's device, the forwards under ctx()."""
-    device = next(model.parameters()).device
-    tokens = torch.randint(0, model.config.vocab_size, (6, 14), generator=torch.Generator().manual_seed(0))
-    attention = torch.ones_like(tokens)
-    if case == "padded":
-        for row, pads in enumerate([0, 3, 5, 1, 0, 7]):
-            attention[row, :pads] = 0
-    if case == "ended":
-        for row, end in enumerate([14, 9, 12, 10, 14, 11]):
-            attention[row, end:] = 0
-    tokens, attention = tokens.to(device), attention.to(device)
-    pos = position_ids_from_mask(attention)
-    runs = []
-    for fused in (True, False):
-        model.zero_grad(set_to_none=True)
-        with ctx():
-            if fused:
-                logits = gpt2_logits(model, tokens, pos, 9, sdpa_mask(attention))
-            else:
-                logits = model(input_ids=tokens, attention_mask=attention, position_ids=pos, logits_to_keep=9).logits
-        (logits.float().logsumexp(-1) * attention[:, -9:]).sum().backward()
-        runs.append((logits.detach(), [p.grad for p in model.parameters()]))
-    return runs
-
-
-@pytest.mark.parametrize("case", ["padded", "unpadded", "ended"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_scoring_gives_the_forward_bits(gpt2_dir, dtype, case, single_thread):
-    """klbench's GPT-2 scoring pass against the model's forward on the same sequences: the same logits and the
-    same gradients, bit for bit. padded: SDPA with a mask; unpadded: SDPA's causal path, no mask; ended: rows
-    whose response ended early."""
-    model, _ = load_causal_lm(gpt2_dir, dtype)
-    (a, grads_a), (b, grads_b) = _scored_both_ways(model, case)
-    assert a.shape == (6, 9, model.config.vocab_size) and torch.equal(a, b)
-    assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
 
 
 def test_fused_step_only_for_a_plain_gpt2(gpt2_dir):

@@ -17,7 +17,6 @@ from klbench.config.schema import KL_TARGET_NAMES, validate
 from klbench.estimators.sampling import KL_TARGETS, Sampling, target_batch, token_logprob
 from klbench.models.hf import load_causal_lm
 from klbench.models.policies import LMPolicy, build_policy, response_mask
-from klbench.models.gpt2_score import sdpa_mask
 from klbench.models.rollout import generate_sample, kv_cache_sample, position_ids_from_mask
 from test_config import compose_cfg
 
@@ -122,7 +121,7 @@ def test_policy_scores_the_target(tiny_lm_dir, other_sharp_dir, target, single_t
     ro = policy.rollout(PROMPTS, 4)
     batch = policy.score(ro)
     resp = ro.tokens[:, ro.prompt_len:]
-    pos, att = position_ids_from_mask(ro.attention), sdpa_mask(ro.attention)
+    pos, att = position_ids_from_mask(ro.attention), None
     with torch.no_grad():
         logits, ref_logits = policy._logits(model, ro, pos, att), policy._logits(ref, ro, pos, att)
     expect = target_batch(logits, ref_logits, resp, ro.mask, sampling, target, behaviour_logp=ro.sample_logp)

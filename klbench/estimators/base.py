@@ -45,6 +45,11 @@ class Estimator:
     # whether the surrogate differentiates the exact per-position KL kappa_t (KLBatch.kappa): a scorer then builds
     # it with the log-probs in one pass (klbench.estimators.chunked.token_scores: one softmax, one gradient)
     kappa_gradient: ClassVar[bool] = False
+    # whether it reads kappa_t at all (its gradient or as a detached baseline): a scorer then computes it
+    reads_kappa: ClassVar[bool] = False
+    # whether it reads the whole [B, T, V] distributions (top-k sets): a language model then scores through its
+    # logits, not its hidden states (klbench.models.scoring)
+    reads_logits: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.defaults))

@@ -115,7 +115,7 @@ class RB(Estimator):
     """
 
     name = "rb"
-    kappa_gradient = True
+    kappa_gradient = reads_kappa = True
     off_policy = True
 
     def compute(self, batch: KLBatch) -> torch.Tensor:

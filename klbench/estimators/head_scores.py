@@ -4,8 +4,8 @@ A language model's next-token logits are z = softcap(scale * (h W^T + b)) / T (`
 scale, Gemma's final-logit softcapping, the KL target's temperature). Everything an estimator but top-k reads from
 them is a per-position reduction over the vocabulary:
 
-    log pi(y_t)        z_y - lse(z)
-    log pi_ref(y_t)    r_y - lse(r)                        r the reference's logits
+    log pi(y_t)        z_y - log sum_v exp(z_v)
+    log pi_ref(y_t)    r_y - log sum_v exp(r_v)            r the reference's logits
     kappa_t            sum_v p_v (log p_v - log q_v)        the exact KL(pi || pi_ref) at position t (rb's)
     H_t                -sum_v p_v log p_v                   the entropy
 
@@ -18,12 +18,14 @@ policy's, so the full-vocabulary KL costs what the log-probs cost, plus one head
 
 Gradients (per row; g_l, g_k, g_e the upstream gradients of log pi(y), kappa and H):
 
-    d/dz = g_l (e_y - p) + g_k p (z - r - s) - g_e p (z - lse + H),   s = lse - lse_r + kappa
-         = p (g_k (z - r) - g_e z - c) + g_l e_y,                      c = g_l + g_k s - g_e (lse - H)
+    d/dz = g_l (e_y - p) + g_k p ((log p - log q) - kappa) - g_e p ((z - m) - E_p[z - m])
 
-then through the temperature, the softcap (1 - (u / cap)^2) and the scale to the head's input. The one-hot part
-is added per row from W[y], outside the tiles. Matrix products run in the dtype autocast would use (bf16 under
-bf16-mixed), the softmax arithmetic in float32 (float64 stays, for the exact tests).
+then through the temperature, the softcap (1 - (u / cap)^2) and the scale to the head's input. Every quantity is
+kept as an offset from its row's maximum m (log p - log q = (z - m) - (r - m_r) - log s + log s_r): at logits of
+tens of nats a log-normaliser rounds by 4e-6 in float32, more than a small KL, while the likely tokens' offsets are
+small numbers, as in a log-softmax; log pi(y) reads z_y from the tile the normaliser sums. Matrix products run in
+the dtype autocast would use (bf16 under bf16-mixed), the softmax arithmetic in float32 (float64 stays, for the
+exact tests).
 """
 from __future__ import annotations
 
@@ -94,13 +96,16 @@ def _tile(h: torch.Tensor, head: LMHead, v0: int, v1: int, cd: torch.dtype, acc:
     return head.post(torch.nn.functional.linear(h.to(cd), head.weight[v0:v1].to(cd), b).to(acc))
 
 
-def _at_tokens(h: torch.Tensor, head: LMHead, tokens: torch.Tensor, cd: torch.dtype, acc: torch.dtype):
-    """([r] raw head output a_y, [r] logit z_y) at each row's token: a row-wise dot product with W[y]."""
-    a = (h.to(cd) * head.weight[tokens].to(cd)).sum(-1)
-    if head.bias is not None:
-        a = a + head.bias[tokens].to(cd)
-    a = a.to(acc)
-    return a, head.post(a)
+def _in_tile(tokens: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([r] bool: the row's token is in columns v0..v1-1, [r, 1] its column there, clamped where it is not)."""
+    return (tokens >= v0) & (tokens < v1), (tokens - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
+
+
+def _take(z: torch.Tensor, tokens: torch.Tensor, v0: int, v1: int, into: torch.Tensor) -> torch.Tensor:
+    """into [r] with z's entry at each row's token where the token is in this tile: the logit of y is read from
+    the very tile the normaliser sums (the same rounding in both, as a log-softmax's gather has)."""
+    inside, col = _in_tile(tokens, v0, v1)
+    return torch.where(inside, z.gather(-1, col).squeeze(-1), into)
 
 
 def _dz_da(z: torch.Tensor, head: LMHead) -> torch.Tensor | float:
@@ -112,103 +117,109 @@ def _dz_da(z: torch.Tensor, head: LMHead) -> torch.Tensor | float:
     return (1 - t * t) * k
 
 
+class _Running:
+    """A row block's softmax over vocabulary chunks, kept as its running maximum m and s = sum exp(z - m), and the
+    p-weighted sums of (z - m) (the entropy) and of (z - m) - (r - m_r) (kappa), rescaled whenever m grows.
+    Everything is an offset from a maximum: at logits of tens of nats a log-normaliser rounds by 4e-6 in float32,
+    more than a small KL, while log p - log q of the likely tokens is a difference of small numbers."""
+
+    def __init__(self, rows: int, acc: torch.dtype, device: torch.device):
+        self.m = torch.full((rows,), -torch.inf, dtype=acc, device=device)  # [r]
+        self.s, self.sz, self.sk = (torch.zeros_like(self.m) for _ in range(3))  # [r] each
+
+    def add(self, z: torch.Tensor, rs: torch.Tensor | None = None, offsets: bool = False) -> None:
+        """z [r, vb] one chunk's logits; rs [r, vb] the reference's r - m_r (kappa's sum), offsets: sum (z - m)."""
+        m_new = torch.maximum(self.m, z.amax(-1))
+        alpha = torch.exp(self.m - m_new)  # [r]: what was summed under the old maximum, rescaled
+        zm = z - m_new.unsqueeze(-1)  # [r, vb]
+        e = torch.exp(zm)  # [r, vb]
+        # a sum of e (z - m) moves with m by s (m_old - m_new): zero while nothing is summed yet
+        moved = torch.where(self.s > 0, self.s * (self.m - m_new), 0.0) if offsets or rs is not None else None
+        if offsets:
+            self.sz = (self.sz + moved) * alpha + (e * zm).sum(-1)
+        if rs is not None:
+            self.sk = (self.sk + moved) * alpha + (e * (zm - rs)).sum(-1)
+        self.s = self.s * alpha + e.sum(-1)
+        self.m = m_new
+
+
+def _reduce(h, head, tokens, cd, acc, ref=None):
+    """One pass over h's tiles: (m, log s, z_y, E_p[z - m], E_p[(z - m) - (r - m_r)]) per row, [N] each.
+    ref: (h_ref, ref_head, m_r, log s_r) for kappa's sum; None: the last is zeros."""
+    dev = h.device
+    N, V = h.shape[0], head.weight.shape[0]
+    rb, vb = tile_shape(N, V, dev)
+    out = [torch.zeros(N, dtype=acc, device=dev) for _ in range(5)]
+    for r0 in range(0, N, rb):
+        r1 = min(N, r0 + rb)
+        run, zy = _Running(r1 - r0, acc, dev), out[2][r0:r1]
+        for v0 in range(0, V, vb):
+            v1 = min(V, v0 + vb)
+            z = _tile(h[r0:r1], head, v0, v1, cd, acc)  # [r, vb]
+            rs = None if ref is None else _tile(ref[0][r0:r1], ref[1], v0, v1, cd, acc) - ref[2][r0:r1, None]
+            run.add(z, rs, offsets=True)
+            zy = _take(z, tokens[r0:r1], v0, v1, zy)
+        for x, v in zip(out, (run.m, torch.log(run.s), zy, run.sz / run.s, run.sk / run.s)):
+            x[r0:r1] = v
+    return out
+
+
 class _HeadScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, h_ref, ref_weight, ref_bias, tokens, head, ref_head, want_kappa, ref_lse, cd):
+    def forward(ctx, h, weight, bias, h_ref, ref_weight, ref_bias, tokens, head, ref_head, want_kappa, m_r, ls_r,
+                cd):
         ctx.cd = cd
         acc = _acc(h.dtype)
-        N, V = h.shape[0], head.weight.shape[0]
-        rb, vb = tile_shape(N, V, h.device)
         with torch.autocast(h.device.type, enabled=False):
-            lse = torch.empty(N, dtype=acc, device=h.device)
-            lse_r = torch.empty_like(lse) if ref_lse is None else ref_lse.to(acc)
-            kappa = torch.empty_like(lse) if want_kappa else None
-            mean_z = torch.empty_like(lse)  # sum_v p_v z_v: the entropy, and the entropy's gradient
-            need_ref = want_kappa or ref_lse is None
-            for r0 in range(0, N, rb):
-                r1 = min(N, r0 + rb)
-                x, xr = h[r0:r1], h_ref[r0:r1]
-                m = torch.full((r1 - r0,), -torch.inf, dtype=acc, device=h.device)  # running max of z
-                s, sz, sk = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
-                mr, sr = m.clone(), torch.zeros_like(m)
-                for v0 in range(0, V, vb):
-                    v1 = min(V, v0 + vb)
-                    z = _tile(x, head, v0, v1, cd, acc)  # [r, vb]
-                    m_new = torch.maximum(m, z.amax(-1))
-                    alpha = torch.exp(m - m_new)  # [r]: rescales what was summed under the old maximum
-                    e = torch.exp(z - m_new.unsqueeze(-1))  # [r, vb]
-                    s = s * alpha + e.sum(-1)
-                    sz = sz * alpha + (e * z).sum(-1)
-                    if need_ref:
-                        zr = _tile(xr, ref_head, v0, v1, cd, acc)  # [r, vb]
-                        if want_kappa:
-                            sk = sk * alpha + e.mul_(z - zr).sum(-1)
-                        if ref_lse is None:
-                            mr_new = torch.maximum(mr, zr.amax(-1))
-                            sr = sr * torch.exp(mr - mr_new) + torch.exp(zr - mr_new.unsqueeze(-1)).sum(-1)
-                            mr = mr_new
-                    m = m_new
-                lse[r0:r1] = m + torch.log(s)
-                mean_z[r0:r1] = sz / s
-                if ref_lse is None:
-                    lse_r[r0:r1] = mr + torch.log(sr)
-                if want_kappa:
-                    kappa[r0:r1] = sk / s - lse[r0:r1] + lse_r[r0:r1]
-            _, zy = _at_tokens(h, head, tokens, cd, acc)
-            _, ry = _at_tokens(h_ref, ref_head, tokens, cd, acc)
-        logp, ref_logp = zy - lse, ry - lse_r
-        entropy = lse - mean_z
-        ctx.save_for_backward(h, h_ref, tokens, lse, lse_r, mean_z, zy, kappa if want_kappa else lse)
+            m, ls, zy, mz, gap = _reduce(h, head, tokens, cd, acc, (h_ref, ref_head, m_r) if want_kappa else None)
+        logp = (zy - m) - ls  # log p(y): differences of small numbers, as a log-softmax's
+        kappa = gap - ls + ls_r if want_kappa else torch.zeros_like(logp)  # E_p[log p - log q]
+        entropy = ls - mz
+        ctx.save_for_backward(h, h_ref, tokens, m, ls, gap, mz, m_r)
         ctx.heads, ctx.want_kappa = (head, ref_head), want_kappa
         ctx.set_materialize_grads(False)
-        return logp, ref_logp, kappa if want_kappa else torch.zeros_like(lse), entropy
+        return logp, kappa, entropy
 
     @staticmethod
-    def backward(ctx, g_l, g_r, g_k, g_e):
-        h, h_ref, tokens, lse, lse_r, mean_z, zy, kappa = ctx.saved_tensors
+    def backward(ctx, g_l, g_k, g_e):
+        h, h_ref, tokens, m, ls, gap, mz, m_r = ctx.saved_tensors
         head, ref_head = ctx.heads
-        if not ctx.want_kappa:
-            g_k = None
+        g_k = g_k if ctx.want_kappa else None
         grads_of = ctx.needs_input_grad[:3]
+        g_l, g_k, g_e = (None if g is None or not g.any() else g.to(m.dtype).unsqueeze(-1) for g in (g_l, g_k, g_e))
         if (g_l is None and g_k is None and g_e is None) or not any(grads_of):
-            return (None,) * 12
-        acc, cd = lse.dtype, ctx.cd
+            return (None,) * 13
+        acc, cd = m.dtype, ctx.cd
         N, V = h.shape[0], head.weight.shape[0]
         rb, vb = tile_shape(N, V, h.device)
-        zero = torch.zeros_like(lse)
-        g_l, g_k, g_e = (zero if g is None else g.to(acc) for g in (g_l, g_k, g_e))
-        # the per-row constant c; g_k and g_e multiply whole tiles only where they are given
-        c = g_l - g_e * mean_z + (g_k * (lse - lse_r + kappa) if ctx.want_kappa else 0)
-        use_k, use_e = ctx.want_kappa and bool(g_k.any()), bool(g_e.any())
         with torch.autocast(h.device.type, enabled=False):
             gh = torch.zeros(h.shape, dtype=acc, device=h.device) if grads_of[0] else None  # [N, H]
             gw = torch.zeros(head.weight.shape, dtype=acc, device=h.device) if grads_of[1] else None  # [V, H]
             gb = torch.zeros(V, dtype=acc, device=h.device) if grads_of[2] else None  # [V]
             for r0 in range(0, N, rb):
                 r1 = min(N, r0 + rb)
-                x = h[r0:r1]
+                x, rows = h[r0:r1], slice(r0, r1)
                 for v0 in range(0, V, vb):
                     v1 = min(V, v0 + vb)
                     z = _tile(x, head, v0, v1, cd, acc)  # [r, vb]
-                    p = torch.exp(z - lse[r0:r1].unsqueeze(-1))  # [r, vb]
-                    d = -c[r0:r1].unsqueeze(-1)  # [r, 1] -> [r, vb] below
-                    if use_k:
-                        d = (z - _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc)).mul_(g_k[r0:r1].unsqueeze(-1)) + d
-                    if use_e:
-                        d = d - z * g_e[r0:r1].unsqueeze(-1)
+                    zm = z - m[rows].unsqueeze(-1)  # [r, vb]
+                    p = torch.exp(zm - ls[rows].unsqueeze(-1))  # [r, vb]
+                    # d kappa / dz = p ((log p - log q) - kappa), d H / dz = -p ((z - m) - E_p[z - m]),
+                    # d log p(y) / dz = e_y - p: d collects the brackets, p multiplies them once
+                    d = torch.zeros_like(p) if g_l is None else -g_l[rows].expand_as(p)
+                    if g_k is not None:
+                        rs = _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc) - m_r[rows].unsqueeze(-1)
+                        d = d + (zm - rs).sub_(gap[rows].unsqueeze(-1)).mul_(g_k[rows])
+                    if g_e is not None:
+                        d = d - (zm - mz[rows].unsqueeze(-1)).mul_(g_e[rows])
                     ga = p.mul_(d).mul_(_dz_da(z, head))  # [r, vb]: the gradient of the head's raw output
+                    if g_l is not None:  # + g_l at y, where y is in this tile
+                        inside, col = _in_tile(tokens[rows], v0, v1)
+                        ga.scatter_add_(-1, col, g_l[rows] * inside.unsqueeze(-1) * _dz_da(z.gather(-1, col), head))
                     _accumulate(ga, x, head, v0, v1, r0, r1, gh, gw, gb, cd)
-            # the one-hot part of d log pi(y) / dz, g_l e_y, row by row from W[y]
-            gy = g_l * _dz_da(zy, head)  # [N]
-            if gh is not None:
-                gh += gy.unsqueeze(-1) * head.weight[tokens].to(acc)
-            if gw is not None:
-                gw.index_add_(0, tokens, gy.unsqueeze(-1) * h.to(acc))
-            if gb is not None:
-                gb.index_add_(0, tokens, gy)
         out = [None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(head.weight.dtype),
                None if gb is None else gb.to(head.bias.dtype)]
-        return (*out,) + (None,) * 9
+        return (*out,) + (None,) * 10
 
 
 def _accumulate(ga, x, head, v0, v1, r0, r1, gh, gw, gb, cd) -> None:
@@ -223,13 +234,14 @@ def _accumulate(ga, x, head, v0, v1, r0, r1, gh, gw, gb, cd) -> None:
 
 
 def head_scores(h: torch.Tensor, head: LMHead, tokens: torch.Tensor, h_ref: torch.Tensor, ref_head: LMHead,
-                kappa: bool = False, entropy: bool = True, ref_lse: torch.Tensor | None = None) -> Scores:
+                kappa: bool = False, entropy: bool = True, ref_norm: tuple | None = None) -> Scores:
     """The per-position scores of N rows: h [N, H] the policy's final hidden states (differentiable, as are
     head.weight and head.bias), h_ref [N, H_ref] the reference's (frozen), tokens [N] the scored tokens.
 
     kappa: also the exact KL(pi || pi_ref) per row, differentiable (one more head product of the reference in
-    forward and in backward). entropy: the policy's entropy per row, differentiable. ref_lse [N]: the reference's
-    log-normaliser where the caller has it (the reference pass of a step computes it once); None: computed here.
+    forward, and in backward where kappa's gradient is used). entropy: the policy's entropy per row,
+    differentiable. ref_norm: the reference's normaliser (m_r, log s_r) [N] each, where the caller has it with its
+    log-probs (head_logprob: a step's reference pass); then Scores.ref_logp is None. None: computed here.
     """
     if h.dim() != 2 or h_ref.dim() != 2 or tokens.shape != h.shape[:1] or h_ref.shape[0] != h.shape[0]:
         raise ValueError(f"head_scores: h [N, H], h_ref [N, H_ref] and tokens [N] must agree; got {tuple(h.shape)}, "
@@ -237,8 +249,20 @@ def head_scores(h: torch.Tensor, head: LMHead, tokens: torch.Tensor, h_ref: torc
     if head.weight.shape[0] != ref_head.weight.shape[0]:
         raise ValueError(f"head_scores: the policy's head has {head.weight.shape[0]} tokens and the reference's "
                          f"{ref_head.weight.shape[0]}: their vocabularies must match")
-    logp, ref_logp, k, ent = _HeadScores.apply(
+    ref_logp = None
+    if ref_norm is None:
+        ref_logp, ref_norm = head_logprob(h_ref, ref_head, tokens)
+    logp, k, ent = _HeadScores.apply(
         h, head.weight, head.bias, h_ref.detach(), ref_head.weight.detach(),
         None if ref_head.bias is None else ref_head.bias.detach(), tokens, head, ref_head, kappa,
-        None if ref_lse is None else ref_lse.detach(), _compute_dtype(h))
-    return Scores(logp, ref_logp.detach(), k if kappa else None, ent if entropy else None)
+        ref_norm[0].detach(), ref_norm[1].detach(), _compute_dtype(h))
+    return Scores(logp, ref_logp, k if kappa else None, ent if entropy else None)
+
+
+@torch.no_grad()
+def head_logprob(h: torch.Tensor, head: LMHead, tokens: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """([N] log pi(y), (m, log s) [N] each: the normaliser head_scores takes as ref_norm) of one model, without
+    gradient (a step's reference pass), the vocabulary reduced a tile at a time. h: [N, H]; tokens: [N]."""
+    with torch.autocast(h.device.type, enabled=False):
+        m, ls, zy, _, _ = _reduce(h, head, tokens, _compute_dtype(h), _acc(h.dtype))
+    return (zy - m) - ls, (m, ls)

@@ -32,6 +32,7 @@ class VOPD(Estimator):
     """
 
     name = "vopd"
+    reads_kappa = True
     defaults = VOPDOptions().model_dump()
 
     def compute(self, batch: KLBatch) -> torch.Tensor:
@@ -78,6 +79,7 @@ class TopKTail(Estimator):
     """
 
     name = "topk_tail"
+    reads_logits = True
     defaults = TopKTailOptions().model_dump()
 
     def compute(self, batch: KLBatch) -> torch.Tensor:
@@ -106,6 +108,7 @@ class TopKTrunc(Estimator):
     """
 
     name = "topk_trunc"
+    reads_logits = True
     defaults = TopKTruncOptions().model_dump()
 
     def compute(self, batch: KLBatch) -> torch.Tensor:

@@ -24,7 +24,7 @@ from klbench.models.kv_buffers import preallocate
 
 
 def unsupported(model) -> str | None:
-    """Why `model` cannot take the fused decode step or scoring pass (gpt2_score.py) (None: it can). Anything but
+    """Why `model` cannot take the hand-written decode step (None: it can). Anything but
     a plain GPT2LMHeadModel running SDPA attention (cross-attention, eager attention, wrapped or replaced layers)
     keeps transformers' forward."""
     from transformers import GPT2LMHeadModel

@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
@@ -25,8 +24,8 @@ from klbench.console import messages as console
 from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target, target_batch, token_logprob
 from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
-from klbench.models import gpt2_decode
-from klbench.models.gpt2_score import gpt2_logits, sdpa_mask
+from klbench.models.head import read_head
+from klbench.models.scoring import ScoredBatch, Scoring, WholeBatch
 from klbench.models.rollout import PLAIN, SAMPLERS, Sampler, attention_backends, position_ids_from_mask, stop_ids
 
 
@@ -50,23 +49,9 @@ class Rollout:
         return replace(self, **cut)
 
 
-@dataclass
-class ScoredBatch(KLBatch):
-    """A KLBatch scored in micro-batches (LMPolicy.score with micro_batch_size): the [B, T, V] logits were reduced,
-    micro-batch by micro-batch, to what the estimators and the logs read, and are not kept. token_kl (the exact
-    per-position KL, rb's kappa) is always set and differentiable; logits and ref_logits are None.
-
-    sampler_logp: [B, T] log pi_s(y), differentiable, where it is not logp itself (Policy.sampler_logp)
-    entropy:      [B, T] exact per-position entropy of the batch's policy, detached (train/entropy)
-    """
-
-    sampler_logp: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-
-
 def token_entropy(batch: KLBatch) -> torch.Tensor | None:
     """[B, T] exact per-position entropy of the batch's policy (0 off the mask), or None without its logits."""
-    if isinstance(batch, ScoredBatch):
+    if isinstance(batch, ScoredBatch) and batch.entropy is not None:
         return batch.entropy
     if batch.logits is None:
         return None
@@ -100,14 +85,20 @@ class Policy(nn.Module):
         """n samples y ~ pi_s per prompt (ancestral; pi itself at plain sampling)."""
         raise NotImplementedError
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = True,
+              logits: bool = False) -> KLBatch:
         """The KL target's batch of a rollout's responses (klbench.estimators.sampling.target_batch): the log-probs
         and logits of the two distributions it compares; old_logp = log pi_s for kl_target=model.
         micro_batch_size (task.micro_batch_size; language models): a ScoredBatch built that many sequences at a
         time, whose gradient is the whole batch's (LMPolicy.score).
-        kappa: the exact per-position KL is needed (with its gradient, Estimator.kappa_gradient): a language model
-        scores it with the log-probs in one pass; the batch's values are the same either way."""
+        kappa: the exact per-position KL is needed (rb's, for its gradient, its value or the logs): a language model
+        scores it with the log-probs in one pass. logits: a language model's batch keeps the [B, T, V] logits
+        (top-k estimators read them; klbench.models.scoring)."""
         raise NotImplementedError
+
+    def scoring(self, ro: Rollout, micro_batch_size: int | None, kappa: bool):
+        """A step's scoring of ro in parts (klbench.models.scoring): here the whole batch at once."""
+        return WholeBatch(self.score(ro, micro_batch_size, kappa))
 
     def sampler_logp(self, ro: Rollout, batch: KLBatch) -> torch.Tensor:
         """[B, T] log pi_s(y), differentiable: the reward term's REINFORCE log-prob (the run maximises the reward
@@ -181,6 +172,10 @@ class LMPolicy(Policy):
         contexts = [c for c in (context_length(model.config), context_length(ref_model.config)) if c]
         self.context = min(contexts, key=lambda c: c[1]) if contexts else None
         self.train()
+        # why scoring keeps the logits (None: from hidden states), for the policy and the sampling; an estimator that
+        # reads the whole distribution sets logits_reason (scoring_line)
+        self.scoring_reason, self.logits_reason = self._read_heads(), None
+        self.rows_forwarded = 0  # sequences the policy has scored (the benchmarks count forwards per step)
 
     def train(self, mode: bool = True) -> "LMPolicy":
         # dropout stays off in training too: the log-probs we differentiate must be those of the very
@@ -214,61 +209,62 @@ class LMPolicy(Policy):
         return Rollout(torch.cat([ids, resp], 1), torch.cat([attn, mask.long()], 1), ids.shape[1], mask, group, texts,
                        [p for p in prompts for _ in range(n)], sample_logp=s.logp)
 
-    def _logits(self, model, ro: Rollout, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """[B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2)."""
+    def _logits(self, model, ro: Rollout, pos: torch.Tensor, mask=None) -> torch.Tensor:
+        """[B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2): the logits path."""
         T, L = ro.tokens.shape[1], ro.mask.shape[1]
         # the LM head projects those L positions only: not the prompt's, and not the last one, whose logits no
-        # response token reads (sliced off, they cost a [B, L + 1, V] gradient of the slice in backward, zeroed
-        # and copied). A model that ignores logits_to_keep returns all positions: the L before the last are taken.
-        # A plain GPT-2 takes the same bits without transformers' layers, unless they are to checkpoint
-        if gpt2_decode.unsupported(model) is None and not (self.checkpointing and model is self.model):
-            logits = gpt2_logits(model, ro.tokens, pos, slice(T - L - 1, T - 1), mask)
-        else:
-            # no KV cache: scoring never reads one, and a layer that writes it would write it again when
-            # checkpointing recomputes the layer (GPT-2's does, whatever transformers' checkpointing turns off)
-            keep = torch.arange(T - L - 1, T - 1, device=ro.tokens.device)  # [L]
-            logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos,
-                           logits_to_keep=keep, use_cache=False).logits
+        # response token reads (sliced off, they cost a [B, L + 1, V] gradient of the slice in backward). A model
+        # that ignores logits_to_keep returns all positions: the L before the last are taken. No KV cache (as
+        # klbench.models.scoring says)
+        keep = torch.arange(T - L - 1, T - 1, device=ro.tokens.device)  # [L]
+        logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos, logits_to_keep=keep,
+                       use_cache=False).logits
         return logits if logits.shape[1] == L else logits[:, -(L + 1):-1]
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
-        if micro_batch_size is None or micro_batch_size >= ro.tokens.shape[0]:
-            return self._score(ro, kappa)
-        # task.micro_batch_size. Each micro-batch's forward runs under torch.utils.checkpoint and keeps only
-        # per-position [m, T] reductions of its logits (log-probs, the exact KL, the entropy); backward runs it
-        # again, one micro-batch at a time. So no more than one micro-batch's activations and [m, T, V] logits
-        # are alive at once, while the loss still sees the whole batch: its gradient is the full batch's for every
-        # estimator, whatever it reads across sequences (loo's and grpo's groups, token_mean's token count)
-        parts = []
-        for i in range(0, ro.tokens.shape[0], micro_batch_size):
-            sub = ro.rows(i, i + micro_batch_size)
-            parts.append(checkpoint(self._reduced, sub, use_reentrant=False) if torch.is_grad_enabled()
-                         else self._reduced(sub))
-        logp, ref_logp, old, kappa, slogp, ent = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
-        return ScoredBatch(logp, ref_logp, ro.mask, group=ro.group, old_logp=old, token_kl=kappa,
-                           sampler_logp=slogp, entropy=ent)
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = True,
+              logits: bool = False) -> KLBatch:
+        # the parts' graphs are kept together: the caller backpropagates the whole batch (a step instead
+        # backpropagates each part at once: klbench/tasks/step.py)
+        scoring = Scoring(self, ro, micro_batch_size, kappa, logits)
+        for _ in scoring.parts(keep_graph=True):
+            pass
+        return scoring.whole()
 
-    def _reduced(self, ro: Rollout) -> tuple:
-        """One micro-batch's (logp, ref_logp, old_logp, token_kl, sampler_logp, entropy), each [m, T] or None."""
-        batch = self._score(ro, kappa=True)
-        slogp = self.sampler_logp(ro, batch)
-        with torch.no_grad():
-            ent = exact_token_entropy(batch.logits, batch.mask, batch.chunk_rows)
-        return batch.logp, batch.ref_logp, batch.old_logp, batch.kappa, None if slogp is batch.logp else slogp, ent
+    def scoring(self, ro: Rollout, micro_batch_size: int | None, kappa: bool) -> Scoring:
+        """A step's scoring of ro, a micro-batch at a time (klbench.models.scoring)."""
+        return Scoring(self, ro, micro_batch_size, kappa)
 
-    def _score(self, ro: Rollout, kappa: bool = False) -> KLBatch:
-        # left padding: positions count real tokens only, as the sampler did; once for both models
-        pos = position_ids_from_mask(ro.attention)  # [B, P + L]
-        mask = sdpa_mask(ro.attention)  # [B, 1, P + L, P + L] or None: for a plain GPT-2 (gpt2_score.py)
-        with attention_backends(pos.device):  # a new [B, P + L] every step: no cuDNN planning on CUDA
-            logits = self._logits(self.model, ro, pos, mask)  # [B, L, V], differentiable
-            with torch.no_grad():
-                ref_logits = self._logits(self.ref, ro, pos, mask)  # [B, L, V]
-        resp = ro.tokens[:, ro.prompt_len:]  # [B, L]
-        # at plain sampling the logits pass through untouched: the batch of a T = 1 run, as before. The reference's
-        # logits are this batch's alone: rb's backward writes its gradient into them (donate_ref)
-        return target_batch(logits, ref_logits, resp, ro.mask, self.sampling, self.kl_target, group=ro.group,
-                            behaviour_logp=ro.sample_logp, kappa=kappa, donate_ref=True)
+    def _read_heads(self) -> str | None:
+        """How this policy's scores are computed: from hidden states (None) or, with the reason, from the logits."""
+        s, t = self.sampling, self.kl_target
+        if s.truncates:
+            return f"the sampler ({s.describe()}) is cut from the logits"
+        if t == "model" and not s.is_plain:
+            return f"task.kl_target=model at {s.describe()} scores the policy at two temperatures"
+        for name, model in (("policy's", self.model), ("reference's", self.ref)):
+            head = read_head(model)
+            if isinstance(head, str):
+                return f"the {name} LM head cannot be read: {head}"
+        return None
+
+    @property
+    def heads(self):
+        """(policy LMHead at the target's temperature, reference LMHead), read from the models now (they may have
+        moved device or dtype since), or None on the logits path."""
+        if self.scoring_reason is not None:
+            return None
+        s, t = self.sampling, self.kl_target
+        pol, ref = read_head(self.model, check=False), read_head(self.ref, check=False)
+        return pol.at(s.temperature if t != "model" else 1.0), ref.at(s.temperature if t in ("sampler", "tempered") else 1.0)
+
+    def scoring_line(self, estimator_reason: str | None = None) -> str:
+        """The start-up line that says how this run scores, and why where it keeps the logits."""
+        self.logits_reason = estimator_reason
+        why = self.scoring_reason or estimator_reason
+        if why is None:
+            return ("scoring from final hidden states: log-probs, the exact KL over the vocabulary and the entropy "
+                    "a tile at a time, no [B, T, V] logits")
+        return f"scoring through the full [B, T, V] logits: {why}"
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -342,7 +338,8 @@ class TabularPolicy(Policy):
         group = torch.arange(len(prompts)).repeat_interleave(n)
         return Rollout(tokens, mask.long(), 0, mask, group, texts, [p for p in prompts for _ in range(n)], ids)
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = False) -> KLBatch:
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = True,
+              logits: bool = False) -> KLBatch:
         # micro_batch_size: the schema refuses it here (the table is the whole model: nothing to save); kappa
         # is computed on first use from the [B, T, K] table logits, which exist whole already
         batch = self.table.batch(self.theta, ro.seq_ids, group=ro.group, sampling=self._sampled,

@@ -22,6 +22,7 @@ import torch
 
 from klbench.estimators.advantages import aggregate
 from klbench.models.policies import Rollout
+from klbench.tasks.step import backward_in_parts
 
 
 @dataclass
@@ -61,31 +62,37 @@ def off_policy_step(task, prompts: list[str]) -> torch.Tensor:
     i = step % k
     if i == 0:
         ro = task.policy.rollout(prompts, task.cfg["n_samples"])
-        batch = task.policy.score(ro, task.micro_batch_size, task.kappa)
         reward = task.rewards(ro)  # [B]
-        # the behaviour policy is the sampler's: log pi_s,old; for kl_target=model the batch carries it already
-        old = batch.old_logp if batch.old_logp is not None else batch.logp.detach()
-        slogp = task.policy.sampler_logp(ro, batch)
-        task.cached_rollout = CachedRollout(ro, reward, task.reward_advantage(batch, reward, ro.group), old,
-                                            slogp.detach())
+    elif task.cached_rollout is None:
+        raise RuntimeError(f"step {step} is step {i} of a rollout, but no rollout is cached: a checkpoint off a "
+                           f"rollout boundary? task.val_every and task.max_steps must be multiples of {k}")
     else:
-        if task.cached_rollout is None:
-            raise RuntimeError(f"step {step} is step {i} of a rollout, but no rollout is cached: a checkpoint off a "
-                               f"rollout boundary? task.val_every and task.max_steps must be multiples of {k}")
-        batch = task.policy.score(task.cached_rollout.ro, task.micro_batch_size, task.kappa)
-        slogp = task.policy.sampler_logp(task.cached_rollout.ro, batch)
-    c = task.cached_rollout
-    loss_reward, stats = ppo_reward_loss(slogp, c.old_sampler_logp, batch.mask, c.adv, float(task.cfg["clip_eps"]),
-                                         task.loss_agg)
-    # at i == 0 old_logp is logp itself, detached (an on-policy batch for every estimator), but for
-    # kl_target=model off plain sampling, where it is log pi_s
-    loss, n_clamped = task.total_loss(replace(batch, old_logp=c.old_logp), loss_reward,
-                                      f"step {step} (step {i} of its rollout)")
+        ro, reward = task.cached_rollout.ro, task.cached_rollout.reward
+    where = f"step {step} (step {i} of its rollout)"
+
+    def loss_fn(batch):
+        slogp = task.policy.sampler_logp(ro, batch)  # [B, T]
+        if i == 0:  # pi_old is this very policy: the behaviour log-probs are the batch's own, detached
+            # (log pi_s for kl_target=model off plain sampling, which the batch carries already)
+            old = batch.old_logp if batch.old_logp is not None else batch.logp.detach()
+            old_s, adv = slogp.detach(), task.reward_advantage(batch, reward, ro.group)
+        else:
+            c = task.cached_rollout
+            old, old_s, adv = c.old_logp, c.old_sampler_logp, c.adv
+        loss_reward, stats = ppo_reward_loss(slogp, old_s, batch.mask, adv, float(task.cfg["clip_eps"]),
+                                             task.loss_agg)
+        loss, n_clamped = task.total_loss(replace(batch, old_logp=old), loss_reward, where)
+        return loss, (n_clamped, stats, old, old_s, adv, slogp.detach())
+
+    scoring = task.policy.scoring(ro, task.micro_batch_size, task.needs_kappa(step))
+    batch, loss, (n_clamped, stats, old, old_s, adv, slogp) = backward_in_parts(task.policy, scoring, loss_fn)
+    if i == 0:
+        task.cached_rollout = CachedRollout(ro, reward, adv, old, old_s)
     if task.logging_step(step):
         if i == 0:  # on-policy samples: every value estimator is valid
-            task._log_train(batch, c.reward, c.ro, loss, n_clamped, slogp)
+            task._log_train(batch, reward, ro, loss, n_clamped, slogp)
         else:  # value estimators assume y ~ pi: the train/kl_* metrics are logged at rollout starts only
-            m = {"train/reward": c.reward.mean(), "train/loss": loss.detach(),
+            m = {"train/reward": reward.mean(), "train/loss": loss.detach(),
                  "train/response_len": batch.mask.sum(-1).float().mean()}
             if n_clamped is not None:
                 m["train/n_clamped"] = float(n_clamped)

@@ -23,6 +23,7 @@ from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.tasks.kl_control import build_kl_control
 from klbench.models.policies import Policy, Rollout, has_distributions, token_entropy
 from klbench.tasks.offpolicy import off_policy_step
+from klbench.tasks.step import backward_in_parts
 
 # train/kl_<label>: value estimator name and options, all on the same batch
 LOGGED_VALUES = REPORTED_VALUES
@@ -42,6 +43,11 @@ class RLTask(pl.LightningModule):
         # the KL fused into the reward before the advantage (in_reward kl_norm=fused): no separate KL term
         self.fused = getattr(self.estimator, "options", {}).get("kl_norm") == "fused"
         self.values = {label: value_estimator(name, **o) for label, (name, o) in LOGGED_VALUES.items()}
+        line = getattr(policy, "scoring_line", None)  # a language model says how it scores, once
+        if line is not None:
+            reads = getattr(self.estimator, "reads_logits", False)
+            print("klbench: " + line(f"estimator={estimator_cfg['name']} reads the whole next-token distribution"
+                                     if reads else None))
         self.strict_loading = False  # the frozen reference is not checkpointed
         self.val_rows: list[dict] = []
         self.sample_tables: list[tuple[int, list[dict]]] = []
@@ -66,17 +72,31 @@ class RLTask(pl.LightningModule):
         if self.cfg.get("inner_steps", 1) > 1:  # several optimiser steps per rollout: klbench/tasks/offpolicy.py
             return off_policy_step(self, prompts)
         ro = self.policy.rollout(prompts, self.cfg["n_samples"])
-        batch = self.policy.score(ro, self.micro_batch_size, self.kappa)
         reward = self.rewards(ro)  # [B]
-        slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
-        slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
-        adv = self.reward_advantage(batch, reward, ro.group)  # [B]
-        loss_reward = reward_loss(adv, slogp, batch.mask, *self.loss_agg)
-        loss, n_clamped = self.total_loss(batch, loss_reward, f"step {self.global_step}")
+        scoring = self.policy.scoring(ro, self.micro_batch_size, self.needs_kappa(self.global_step))
+        where = f"step {self.global_step}"
+        # backward runs here, a micro-batch at a time (klbench/tasks/step.py); Lightning's own then applies its sum
+        batch, loss, (n_clamped, slogp) = backward_in_parts(self.policy, scoring,
+                                                            lambda b: self.rl_loss(b, ro, reward, where))
         if self.logging_step(self.global_step):
             self._log_train(batch, reward, ro, loss, n_clamped, slogp)
         self._control_beta(batch)
         return loss
+
+    def rl_loss(self, batch, ro: Rollout, reward: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple]:
+        """The step's loss on a whole batch (klbench.tasks.step.backward_in_parts), and (the estimator's clamp
+        count, the scorer's log pi_s [B, T] detached)."""
+        slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
+        slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
+        adv = self.reward_advantage(batch, reward, ro.group)  # [B]
+        loss_reward = reward_loss(adv, slogp, batch.mask, *self.loss_agg)
+        loss, n_clamped = self.total_loss(batch, loss_reward, where)
+        return loss, (n_clamped, slogp.detach())
+
+    def needs_kappa(self, step: int) -> bool:
+        """Whether a step's scoring computes the exact per-position KL: the estimator differentiates it, or the step
+        logs rb's value (train/kl_rb) or controls beta with it."""
+        return self.kappa or self.logging_step(step) or self.kl_ctl.signal == "rb"
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -85,8 +105,8 @@ class RLTask(pl.LightningModule):
 
     @property
     def kappa(self) -> bool:
-        """Whether the loss differentiates the exact per-position KL (rb): the policy scores it with the log-probs."""
-        return getattr(self.estimator, "kappa_gradient", False)
+        """Whether the loss reads the exact per-position KL (rb, vopd): the policy scores it with the log-probs."""
+        return getattr(self.estimator, "reads_kappa", False)
 
     @property
     def loss_agg(self) -> tuple[str, int]:

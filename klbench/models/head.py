@@ -1,0 +1,99 @@
+"""A model's LM head as klbench.estimators.head_scores reads it, and its forward up to the head's input.
+
+    head = read_head(model)        # an LMHead (weight, bias, logit scale, final-logit softcap), or why not (str)
+    h = final_hidden(model, ...)   # [B, L, H]: what the output embedding would project, no [B, L, V] logits
+
+Generic over architectures: the hidden states are what the model's own output embedding (`get_output_embeddings()`)
+receives in its own forward; for that forward the head's `forward` is replaced by one that hands its input back,
+so the logits are never built. A model may change the head's output before returning it (Gemma 2 and 3 softcap
+it, Cohere scales it, Granite divides it): `read_head` reads the settings transformers uses for that, then checks
+them on the model itself. It runs the forward once with the head returning known values over a wide range and
+compares the returned logits with LMHead.post of them. Whatever it cannot read (a head that is no plain
+nn.Linear, a LoRA adapter on the head, hooks, a transformation it does not model) is a reason, and the policy
+keeps the logits path (klbench.models.policies says so in one line).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from klbench.estimators.head_scores import LMHead
+
+
+def output_head(model) -> nn.Module | None:
+    """The module that projects the final hidden states onto the vocabulary, or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    if get is None and hasattr(model, "peft_model"):  # klbench.models.lora.WithoutAdapter
+        get = model.peft_model.get_output_embeddings
+    return get() if get is not None else None
+
+
+def _settings(config) -> tuple[float, float | None]:
+    """(scale, softcap) of transformers' post-processing of the head's output, from the (text) config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(text, "logit_scale", None) or 1.0)  # Cohere: logits * logit_scale
+    divide = getattr(text, "logits_scaling", None)  # Granite: logits / logits_scaling
+    if divide:
+        scale /= float(divide)
+    cap = getattr(text, "final_logit_softcapping", None)  # Gemma 2, Gemma 3
+    return scale, float(cap) if cap else None
+
+
+def read_head(model, check: bool = True) -> LMHead | str:
+    """The model's LMHead (temperature 1), or the reason the fused path cannot read it. check: run the model once
+    to check its post-processing (once per model: LMPolicy reads the head again at each step without it)."""
+    head = output_head(model)
+    if type(head) is not nn.Linear:
+        return f"its output embedding is a {type(head).__name__}, not a plain nn.Linear (an adapter on the LM head?)"
+    if head._forward_hooks or head._forward_pre_hooks:
+        return "its output embedding has forward hooks, whose effect on the logits klbench cannot read"
+    scale, cap = _settings(model.config)
+    spec = LMHead(head.weight, head.bias, scale, cap)
+    gap = _post_gap(model, head, spec) if check else None
+    if gap is not None:
+        return (f"its forward changes the head's output in a way klbench does not model (logits differ from "
+                f"LMHead(scale={scale:g}, softcap={cap}) by up to {gap:.3g})")
+    return spec
+
+
+@torch.no_grad()
+def _post_gap(model, head: nn.Linear, spec: LMHead) -> float | None:
+    """None if the model returns LMHead.post of what its head outputs, on values from -60 to 60 (past any softcap
+    in use, 30 for Gemma 2); else the largest difference."""
+    device = head.weight.device
+    V = head.out_features
+    probe = torch.linspace(-60, 60, V, device=device).to(head.weight.dtype)  # [V]
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    out = _with_head(model, head, lambda x: probe.expand(*x.shape[:-1], V),
+                     lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits)
+    want = spec.post(probe.float())
+    got = out[0, -1].float()
+    # the model applies its post-processing in its own dtype; ours runs in float32
+    tol = 1e-5 if head.weight.dtype == torch.float32 else 2e-2
+    gap = float((got - want).abs().max())
+    return None if gap <= tol * 60 else gap
+
+
+def _with_head(model, head: nn.Module, replacement, run):
+    """run() with head.forward replaced (an instance attribute shadows the class's forward for one call)."""
+    head.forward = replacement
+    try:
+        return run()
+    finally:
+        del head.forward
+
+
+def final_hidden(model, L: int, **inputs) -> torch.Tensor:
+    """[B, L, H] the final hidden states the head would project at the last L positions it is given
+    (inputs: model(**inputs) with logits_to_keep selecting them): the model's forward with the head handing its
+    input back. A model that ignores logits_to_keep hands back every position: the L before the last are taken."""
+    head = output_head(model)
+    seen = {}
+
+    def capture(x):
+        seen["h"] = x
+        return x
+
+    _with_head(model, head, capture, lambda: model(**inputs))
+    h = seen["h"]  # [B, L or T, H]
+    return h if h.shape[1] == L else h[:, -(L + 1):-1]
