@@ -84,7 +84,18 @@ def test_a_lora_target_no_module_has_is_refused_before_the_model_loads(tmp_path,
     proc, took = klbench(tmp_path, "model=hf", f"model.name_or_path={path}", "model.lora.r=4",
                          "model.lora.target_modules=[q_proj,v_projj]", "logger=none")
     assert one_line(proc) == (f"model.lora.target_modules=['q_proj', 'v_projj']: v_projj names no module of {path}; "
-                              "its linear modules are named ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', "
-                              "'q_proj', 'up_proj', 'v_proj']")
+                              "its modules with a weight matrix are named ['down_proj', 'embed_tokens', 'gate_proj', "
+                              "'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']")
     assert "Seed set" not in proc.stdout + proc.stderr  # refused before the run began
     assert took < 5, took
+
+
+def test_a_tied_output_layer_is_a_target_though_the_file_leaves_it_out(tiny_lm_dir):
+    """GPT-2 ties lm_head to wte, so save_pretrained leaves lm_head out of model.safetensors: the check then
+    asks the architecture itself (meta device), and a real name is never refused."""
+    from klbench.config.errors import ConfigError
+    from klbench.config.model_checks import check_lora_targets, saved_matrices
+    assert not any(n.endswith("lm_head") for n in saved_matrices(tiny_lm_dir))
+    check_lora_targets(tiny_lm_dir, ["c_attn", "lm_head"], False)
+    with pytest.raises(ConfigError, match=r"c_atn names no module of .*'c_attn', 'c_fc', 'c_proj', 'lm_head'"):
+        check_lora_targets(tiny_lm_dir, ["c_atn"], False)

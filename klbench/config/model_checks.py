@@ -5,10 +5,12 @@
 Loading a model to learn that its folder is missing took 22 s on a loaded VM (torch, Lightning and
 transformers first), and a LoRA target that matches no module 26 s. A path needs no import at all: the
 same tests as klbench.models.hf.resolve_pretrained, with its words, without importing torch. A LoRA target
-is checked against the module names of the folder's architecture built on the meta device from its
-config.json (no weights read, no memory): torch and transformers are imported, which the run needs next
-anyway. Anything this check cannot tell (a hub id, remote code, a config transformers cannot build) is
-left to the load, which says it as before.
+is checked against the modules that own a weight matrix in the folder's safetensors headers (JSON, read in
+milliseconds); where the folder has no safetensors, or ties its output layer to the input embedding (which
+save_pretrained leaves out of the file), against the architecture built on the meta device from its
+config.json (no weights read; torch and transformers imported, which the run needs next anyway). Anything
+this check cannot tell (a hub id, remote code, a config transformers cannot build) is left to the load,
+which says it as before.
 """
 from __future__ import annotations
 
@@ -65,26 +67,63 @@ def check_path(name: str, what: str) -> None:
 
 
 def check_lora_targets(name: str, targets: list[str], trust_remote_code: bool) -> None:
-    """Every model.lora.target_modules entry must name some module of the architecture, as peft matches a
-    list (the module's name, or its last dotted parts). peft refuses only a list that matches nothing; one
-    misspelt name among others would train fewer modules without a word, so each is checked here."""
+    """Every model.lora.target_modules entry must name some module of the model, as peft matches a list (the
+    module's name, or its last dotted parts). peft refuses only a list that matches nothing; one misspelt
+    name among others would train fewer modules without a word, so each is checked here."""
     folder = os.path.expanduser(name)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return  # a hub id: its config may be in no cache yet; the load says what it finds
-    names = module_names(folder, trust_remote_code)
-    if names is None:
-        return
-    missing = [t for t in targets if t != "all-linear" and not any(n == t or n.endswith("." + t) for n in names)]
+    names = saved_matrices(folder)  # milliseconds: the safetensors headers, no torch
+    missing = _missing(targets, names)
+    if missing and (names is None or _ties_embeddings(folder)):
+        # no safetensors, or an output layer tied to the input embedding, which save_pretrained leaves out of
+        # the file: the modules of the architecture itself, built on the meta device (seconds: torch, transformers)
+        names = module_matrices(folder, trust_remote_code)
+        missing = _missing(targets, names)
     if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, kind in names.items() if kind in ("Linear", "Conv1D")})
         raise ConfigError(f"model.lora.target_modules={targets}: {', '.join(missing)} "
-                          f"{'names' if len(missing) == 1 else 'name'} no module of {name}; its linear modules "
-                          f"are named {linear}")
+                          f"{'names' if len(missing) == 1 else 'name'} no module of {name}; its modules with a "
+                          f"weight matrix are named {sorted({n.rsplit('.', 1)[-1] for n in names})}")
 
 
-def module_names(folder: str, trust_remote_code: bool) -> dict[str, str] | None:
-    """{dotted module name: class name} of the folder's architecture, built on the meta device from its
-    config.json (no weights); None where transformers cannot build it that way."""
+def _missing(targets: list[str], names) -> list[str]:
+    if names is None:
+        return []  # nothing to check against: the load (peft) says it
+    return [t for t in targets if t != "all-linear" and not any(n == t or n.endswith("." + t) for n in names)]
+
+
+def _ties_embeddings(folder: str) -> bool:
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    return bool(config.get("tie_word_embeddings", True))  # transformers' default
+
+
+def saved_matrices(folder: str) -> set[str] | None:
+    """The modules that own a 2-D weight in the folder's safetensors files (`model.layers.0.self_attn.q_proj`),
+    read from the files' JSON headers; None where the folder has no safetensors."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    try:
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            return None
+        names = set()
+        for file in files:
+            with open(os.path.join(folder, file), "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))  # safetensors: length, JSON
+            names |= {k[:-len(".weight")] for k, v in header.items()
+                      if k.endswith(".weight") and len(v.get("shape", ())) == 2}
+        return names
+    except (OSError, ValueError, KeyError, AttributeError):  # a file safetensors cannot read either: the load says it
+        return None
+
+
+def module_matrices(folder: str, trust_remote_code: bool) -> set[str] | None:
+    """The modules that own a 2-D weight in the folder's architecture, built on the meta device from its
+    config.json (no weights read); None where transformers cannot build it that way."""
     import torch
     import transformers
     try:
@@ -94,4 +133,5 @@ def module_names(folder: str, trust_remote_code: bool) -> dict[str, str] | None:
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except Exception:  # remote code not trusted, an architecture of another kind: the load reports it
         return None
-    return {n: type(m).__name__ for n, m in model.named_modules() if n}
+    return {n for n, m in model.named_modules()
+            if n and getattr(getattr(m, "weight", None), "ndim", 0) == 2}

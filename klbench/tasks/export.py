@@ -78,7 +78,8 @@ def export(source: str, out: str | None = None, adapter: bool = False) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     what = "LoRA adapter" if adapter else "policy (LoRA merged into its base)" if lora else "policy"
-    print(f"klbench-export: wrote {target}: the {what} at step {step} of {run}, its tokenizer and chat template, "
+    chat = " and chat template" if getattr(policy.tok, "chat_template", None) else ""
+    print(f"klbench-export: wrote {target}: the {what} at step {step} of {run}, its tokenizer{chat}, "
           f"and a generation_config with the run's sampling ({policy.sampling.describe()})")
     return target
 
