@@ -5,6 +5,8 @@ task.micro_batch_size, with the value estimators and the entropy logged or not.
     python scripts/bench_large_vocab.py --code /path/to/other/checkout --only loo,rb   # another commit's klbench
     python scripts/bench_large_vocab.py --interleave 8     # rb/loo step time, side by side in one process
 
+Each line also prints the policy's forwards per sequence per step (the rollout's decode steps aside).
+
 The model is a random Qwen2-architecture folder (a tiny body, hidden 64, 2 layers) with Qwen's vocabulary size,
 so that the [B, T, V] logits, not the layers, decide the memory, as they do for a real Qwen at long responses.
 Each configuration runs in a fresh process through klbench's own RLTask.training_step and backward, on one fixed
@@ -64,14 +66,18 @@ def rss_mib():
 before = rss_mib()
 open("/proc/self/clear_refs", "w").write("5")   # VmHWM := VmRSS: the peak of the steps alone from here
 times = []
+forwards = []  # the policy's forwards per sequence per step (LMPolicy.rows_forwarded counts scored sequences)
 for i in range(steps + 1):
     t = time.perf_counter()
+    rows = policy.rows_forwarded
     loss = task.training_step(texts, 0)
     loss.backward()
     for p in policy.trainable():
         p.grad = None
     times.append(time.perf_counter() - t)
+    forwards.append((policy.rows_forwarded - rows) / len(ro.texts))
 print("RESULT " + json.dumps({"step_s": statistics.median(times[1:]), "peak_mib": hwm_mib() - before,
+                              "forwards": max(forwards),
                               "base_mib": before, "rollout_s": rollout_s,
                               "tokens": float(ro.mask.sum(-1).float().mean()),
                               "logged": sorted(k for k in logged if k.startswith("train/"))}))
@@ -196,7 +202,8 @@ def main() -> None:
         if p.returncode or not line:
             sys.exit(f"{label}: failed\n{p.stderr[-3000:]}")
         results[label] = r = json.loads(line[0][7:])
-        print(f"{label:>16}: step {r['step_s']:6.2f} s  peak +{r['peak_mib']:7.0f} MiB  (rollout "
+        print(f"{label:>16}: step {r['step_s']:6.2f} s  peak +{r['peak_mib']:7.0f} MiB  "
+              f"{r.get('forwards', float('nan')):.0f} policy forward(s) per sequence (rollout "
               f"{r['rollout_s']:.1f} s, {r['tokens']:.0f} tokens/response, logged: "
               f"{', '.join(k[6:] for k in r['logged']) or '-'})", flush=True)
     B = a.prompts * a.samples

@@ -48,15 +48,17 @@ class LMHead:
         return replace(self, temperature=float(temperature))
 
     def post(self, a: torch.Tensor) -> torch.Tensor:
-        """The logits from the head's raw output a = h W^T + b (any shape): what a model's forward does after
-        its output embedding, then the temperature."""
+        """The logits from the head's raw output a = h W^T + b (any shape): what a model's forward does after its
+        output embedding, in a's dtype as the model does it (bf16 for a bf16 model), then the temperature in
+        float32 (float64 stays), as the logits path divides them."""
         z = a * self.scale if self.scale != 1 else a
         if self.softcap:
             z = torch.tanh(z / self.softcap) * self.softcap
+        z = z if z.dtype == torch.float64 else z.float()
         return z / self.temperature if self.temperature != 1 else z
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., V] the unfused logits (tests and the logits path), in h's dtype."""
+        """[..., V] the unfused logits (tests and the logits path), float32 (float64 stays)."""
         return self.post(torch.nn.functional.linear(h, self.weight, self.bias))
 
 
@@ -93,7 +95,7 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
 def _tile(h: torch.Tensor, head: LMHead, v0: int, v1: int, cd: torch.dtype, acc: torch.dtype) -> torch.Tensor:
     """[r, v1 - v0] logits of one tile, in acc."""
     b = None if head.bias is None else head.bias[v0:v1].to(cd)
-    return head.post(torch.nn.functional.linear(h.to(cd), head.weight[v0:v1].to(cd), b).to(acc))
+    return head.post(torch.nn.functional.linear(h.to(cd), head.weight[v0:v1].to(cd), b)).to(acc)
 
 
 def _in_tile(tokens: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
