@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,72 +44,86 @@ def _lora_args(base: str, run_dir: Path, *extra: str) -> list[str]:
             "task.log_every=1", f"hydra.run.dir={run_dir}", *extra]
 
 
-def test_lora_resumes_refused_in_one_line_leave_the_finished_run(tmp_path, tiny_arch):
-    base = str(shutil.copytree(tiny_arch("llama")[0], tmp_path / "base"))
+@pytest.fixture(scope="module")
+def finished_lora(tmp_path_factory, tiny_arch):
+    """A LoRA run of 8 steps, FINISHED, on a copy of the tiny Llama whose generation_config adds
+    repetition_penalty. Each test that changes its files puts them back."""
+    tmp = tmp_path_factory.mktemp("lora")
+    base = str(shutil.copytree(tiny_arch("llama")[0], tmp / "base"))
     generation = Path(base, "generation_config.json")
     generation.write_text(json.dumps({**json.loads(generation.read_text()), "repetition_penalty": 1.2}))
-    outputs, run_dir = tmp_path / "outputs", tmp_path / "D"
+    outputs, run_dir = tmp / "outputs", tmp / "D"
     first = klbench(outputs, *_lora_args(base, run_dir, "task.max_steps=8"))
     assert first.returncode == 0, first.stderr[-3000:]
-    client = client_of(outputs)
-    (run,) = all_runs(client)
-    # issue 42, item 5: what the run uses, once at its start and as params; its name says the rank
+    (run,) = all_runs(client_of(outputs))
+    return SimpleNamespace(base=base, outputs=outputs, run_dir=run_dir, first=first, run=run,
+                           ckpt=run_dir / "checkpoints" / "last.ckpt")
+
+
+def _refused_resume(lora, *extra: str, allow: str = "task.max_steps"):
+    """A resume to step 12 of the finished run: refused in one line, the run left FINISHED as it was."""
+    proc = klbench(lora.outputs, *_lora_args(lora.base, lora.run_dir, "task.max_steps=12", "ckpt_path=last",
+                                             f"ckpt_allow_changes=[{allow}]", *extra))
+    (now,) = all_runs(client_of(lora.outputs))
+    assert now.info.status == "FINISHED" and now.info.end_time == lora.run.info.end_time
+    assert now.data.tags[runs.STEPS_DONE] == "8"
+    return proc
+
+
+def test_a_lora_run_says_what_it_uses(finished_lora):
+    """Issue 42, item 5: stop ids, LoRA's rank, modules and trainable parameters, and the generation options the
+    run does not apply, once at the start and as params; the run's name carries the rank."""
+    out, run = finished_lora.first.stdout, finished_lora.run
     for line in ("klbench: a response ends at any of the tokens 1 (</s>), 4 (<|im_end|>)\n",
                  "klbench: LoRA rank 4 (alpha 16) on q_proj, v_proj (peft's default): 896 trainable parameters of ",
-                 f"klbench: {base}'s generation_config sets repetition_penalty=1.2, which klbench does not apply"):
-        assert first.stdout.count(line) == 1, first.stdout[-3000:]
+                 f"klbench: {finished_lora.base}'s generation_config sets repetition_penalty=1.2, which klbench does "
+                 "not apply"):
+        assert out.count(line) == 1, out[-3000:]
     assert {k: v for k, v in run.data.params.items() if k.startswith("used.")} == {
         "used.stop_ids": "1 (</s>), 4 (<|im_end|>)", "used.lora_rank": "4", "used.lora_modules": "q_proj,v_proj",
         "used.trainable_params": "896", "used.generation_config.unapplied": "repetition_penalty=1.2"}
     assert run.info.run_name == "naive_mc b=1 r=4 s0 rl-hf"
-    ckpt = run_dir / "checkpoints" / "last.ckpt"
-    intact = ckpt.read_bytes()
-    longer = ("task.max_steps=12", "ckpt_path=last")
 
-    def unchanged() -> None:  # each refusal leaves the finished run as it was
-        (now,) = all_runs(client)
-        assert now.info.status == "FINISHED" and now.info.end_time == run.info.end_time
-        assert now.data.tags[runs.STEPS_DONE] == "8"
 
-    # 1. a checkpoint without the adapter's weights: resumed silently from a zero adapter before
+def test_a_checkpoint_without_the_adapter_is_refused(finished_lora):
+    """Defect 1: last.ckpt rewritten with an empty state_dict resumed silently from a zero adapter, FINISHED."""
+    ckpt, intact = finished_lora.ckpt, finished_lora.ckpt.read_bytes()
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
     saved["state_dict"] = {}
     torch.save(saved, ckpt)
-    proc = klbench(outputs, *_lora_args(base, run_dir, *longer, "ckpt_allow_changes=[task.max_steps]"))
-    one_line_error(proc, str(ckpt), "holds no weights for", "lora_A")
-    unchanged()
-    ckpt.write_bytes(intact)
+    try:
+        one_line_error(_refused_resume(finished_lora), str(ckpt), "holds no weights for", "lora_A")
+    finally:
+        ckpt.write_bytes(intact)
 
-    # 3. the rank changed on purpose: a 45-line size-mismatch traceback and a FAILED run before
-    proc = klbench(outputs, *_lora_args(base, run_dir, *longer, "model.lora.r=8",
-                                        "ckpt_allow_changes=[task.max_steps,model.lora.r]"))
-    one_line_error(proc, "of shape [4, ", "model.lora.r (4 in the checkpoint, 8 now)")
-    unchanged()
 
-    # the base replaced at the same path (another model of the same architecture): resumed silently before
-    for name in os.listdir(other := tiny_arch("llama")[1]):
-        if name.endswith(".safetensors"):
-            shutil.copy(os.path.join(other, name), os.path.join(base, name))
-    proc = klbench(outputs, *_lora_args(base, run_dir, *longer, "ckpt_allow_changes=[task.max_steps]"))
-    one_line_error(proc, "other frozen weights", base)
-    unchanged()
+def test_a_lora_rank_change_is_refused_in_one_line(finished_lora):
+    """Defect 3: the rank changed with ckpt_allow_changes printed 45 lines and turned the FINISHED run FAILED."""
+    proc = _refused_resume(finished_lora, "model.lora.r=8", allow="task.max_steps,model.lora.r")
+    one_line_error(proc, "lora_A.default.weight of shape [4, 32], this model's is [8, 32]",
+                   "model.lora.r (4 in the checkpoint, 8 now)")
 
-    # a finished run's deleted last.ckpt: "stopped before its first checkpoint" before
+
+def test_a_replaced_base_is_refused(finished_lora, tiny_arch):
+    """The base replaced at the same path (another model of the same architecture) resumed silently."""
+    weights = [n for n in os.listdir(finished_lora.base) if n.endswith(".safetensors")]
+    try:
+        for name in weights:
+            shutil.copy(os.path.join(tiny_arch("llama")[1], name), os.path.join(finished_lora.base, name))
+        one_line_error(_refused_resume(finished_lora), "other frozen weights", finished_lora.base,
+                       "ckpt_allow_changes=[model]")
+    finally:
+        for name in weights:
+            shutil.copy(os.path.join(tiny_arch("llama")[0], name), os.path.join(finished_lora.base, name))
+
+
+def test_a_deleted_last_ckpt_is_not_called_before_the_first_checkpoint(finished_lora):
+    ckpt, intact = finished_lora.ckpt, finished_lora.ckpt.read_bytes()
     ckpt.unlink()
-    proc = klbench(outputs, *_lora_args(base, run_dir, *longer, "ckpt_allow_changes=[task.max_steps]"))
-    one_line_error(proc, "FINISHED at step 8", "deleted or moved")
-    unchanged()
-
-    # the intact checkpoint on the original base still trains on, without Lightning's not-resumable notice
-    ckpt.write_bytes(intact)
-    for name in os.listdir(original := tiny_arch("llama")[0]):
-        if name.endswith(".safetensors"):
-            shutil.copy(os.path.join(original, name), os.path.join(base, name))
-    proc = klbench(outputs, *_lora_args(base, run_dir, *longer, "ckpt_allow_changes=[task.max_steps]"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "not resumable" not in proc.stderr + proc.stdout
-    (now,) = all_runs(client)
-    assert now.info.status == "FINISHED" and now.data.tags[runs.STEPS_DONE] == "12"
+    try:
+        one_line_error(_refused_resume(finished_lora), "is FINISHED at step 8", "deleted or moved")
+    finally:
+        ckpt.write_bytes(intact)
 
 
 # ---- 2 and 4: a model folder's files that cannot be used are named ----
@@ -323,6 +338,7 @@ def test_lora_runs_started_at_once_and_one_killed_and_resumed(tmp_path, tiny_arc
     resumed = klbench(outputs, *_lora_args(base, tmp_path / "K", *long, "ckpt_path=last"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step" in resumed.stderr + resumed.stdout  # killed mid-run, not after its end
+    assert "not resumable" not in resumed.stderr + resumed.stdout  # Lightning's notice: the prompts continue exactly
     client = client_of(outputs)
     found = all_runs(client)
     assert len(found) == 4 and all(r.info.status == "FINISHED" for r in found), [r.info.status for r in found]
