@@ -344,3 +344,20 @@ def test_lora_runs_started_at_once_and_one_killed_and_resumed(tmp_path, tiny_arc
     assert len(found) == 4 and all(r.info.status == "FINISHED" for r in found), [r.info.status for r in found]
     (k,) = [r for r in found if r.data.params["seed"] == "9"]
     assert steps(client, k.info.run_id, "train/reward") == list(range(100))  # each step once
+
+
+def test_a_param_that_changed_on_a_resume_is_said_not_fatal(tmp_path, capsys):
+    """A resume under ckpt_allow_changes can change what the run uses (used.stop_ids of a replaced base accepted with
+    ckpt_allow_changes=[model]); MLflow refuses a param's new value, which ended the reopened run FAILED."""
+    import mlflow
+    from klbench.record.store import ensure_experiment, sqlite_uri
+    from klbench.record.tracking import RecordLogger, log_params
+    uri = sqlite_uri(tmp_path / "mlflow.db")
+    exp = ensure_experiment(uri, "x", str(tmp_path / "artifacts"))
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(exp).info.run_id
+    logger = RecordLogger(client, run_id, "x")
+    log_params(logger, {"used.stop_ids": "1 (</s>)", "used.lora_rank": "4"})
+    log_params(logger, {"used.stop_ids": "1 (</s>), 4 (<|im_end|>)", "used.lora_rank": "4"})
+    assert client.get_run(run_id).data.params["used.stop_ids"] == "1 (</s>)"
+    assert "klbench: warning: the param used.stop_ids was '1 (</s>)' when this run started" in capsys.readouterr().out

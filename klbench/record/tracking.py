@@ -290,8 +290,14 @@ def log_params(logger, params: dict[str, str]) -> None:
     """Params a run learns once it is built (the sampling it used, where a model's generation_config chose it),
     beside the config's; MLflow only (a resumed run logs the same values again, which MLflow accepts)."""
     if isinstance(logger, RecordLogger) and logger.client is not None:
+        before = logger.client.get_run(logger.run_id).data.params
         for key, value in params.items():
-            logger.client.log_param(logger.run_id, key, redact(str(value))[:6000])
+            value = redact(str(value))[:6000]
+            if key in before and before[key] != value:  # a resume under ckpt_allow_changes: MLflow refuses a new value
+                print(f"klbench: warning: the param {key} was {before[key]!r} when this run started and is {value!r} "
+                      "now; MLflow keeps the first value")
+                continue
+            logger.client.log_param(logger.run_id, key, value)
 
 
 def log_samples(logger, tables: list[tuple[int, list[dict]]], cfg: DictConfig) -> None:
