@@ -168,3 +168,21 @@ def test_truncated_sampling_and_topk_estimators_keep_the_logits_path(tmp_path, t
                     "distribution")
     torch.manual_seed(0)
     assert plain.scoring(plain.rollout(PROMPTS, 2), None, True).fused is False
+
+
+@pytest.mark.parametrize("which", ["logp", "kappa", "entropy", "logp+entropy", "kappa+entropy"])
+def test_each_gradient_alone_and_together(monkeypatch, which):
+    """Backward builds its per-tile factor only from the gradients it is given: each alone and in pairs."""
+    monkeypatch.setattr(hs, "tile_shape", lambda rows, vocab, device: (4, 9))
+    g = torch.Generator().manual_seed(1)
+    N, H, V = 11, 5, 30
+    h = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (2 * torch.randn(V, H, generator=g, dtype=torch.float64)).requires_grad_()
+    h_ref, y = torch.randn(N, H, generator=g, dtype=torch.float64), torch.randint(0, V, (N,), generator=g)
+    head, ref = LMHead(w, None, 1.0, 4.0), LMHead(2 * torch.randn(V, H, generator=g, dtype=torch.float64), None, 1.0, 4.0)
+    s, want = head_scores(h, head, y, h_ref, ref, kappa=True), _unfused(h, head, y, h_ref, ref)
+    pick = {"logp": (s.logp, want[0]), "kappa": (s.kappa, want[2]), "entropy": (s.entropy, want[3])}
+    got = torch.autograd.grad(sum(pick[k][0].sum() for k in which.split("+")), (h, w), retain_graph=True)
+    exp = torch.autograd.grad(sum(pick[k][1].sum() for k in which.split("+")), (h, w))
+    for a, e in zip(got, exp):
+        assert torch.allclose(a, e, atol=1e-11), float((a - e).abs().max())

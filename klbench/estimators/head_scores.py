@@ -77,9 +77,9 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def tile_shape(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """(rows, vocabulary columns) of one tile: about 2^22 float32 elements (16 MiB) on CPU, where a [V-chunk, H] slice
-    of the head stays in cache across the row block; 2^26 on accelerators, to amortise kernel launches."""
-    budget, cols = (2 ** 22, 8192) if device.type == "cpu" else (2 ** 26, 32768)
+    """(rows, vocabulary columns) of one tile: 2^20 float32 elements (4 MiB) on CPU, 128 rows against a [8192, H]
+    slice of the head that stays in cache across them; 2^26 (256 MiB) on accelerators, to amortise launches."""
+    budget, cols = (2 ** 20, 8192) if device.type == "cpu" else (2 ** 26, 32768)
     cols = min(vocab, cols)
     return max(1, min(rows, budget // cols)), cols
 
@@ -205,15 +205,19 @@ class _HeadScores(torch.autograd.Function):
                     v1 = min(V, v0 + vb)
                     z = _tile(x, head, v0, v1, cd, acc)  # [r, vb]
                     zm = z - m[rows].unsqueeze(-1)  # [r, vb]
-                    p = torch.exp(zm - ls[rows].unsqueeze(-1))  # [r, vb]
+                    p = (zm - ls[rows].unsqueeze(-1)).exp_()  # [r, vb]
                     # d kappa / dz = p ((log p - log q) - kappa), d H / dz = -p ((z - m) - E_p[z - m]),
-                    # d log p(y) / dz = e_y - p: d collects the brackets, p multiplies them once
-                    d = torch.zeros_like(p) if g_l is None else -g_l[rows].expand_as(p)
-                    if g_k is not None:
-                        rs = _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc) - m_r[rows].unsqueeze(-1)
-                        d = d + (zm - rs).sub_(gap[rows].unsqueeze(-1)).mul_(g_k[rows])
+                    # d log p(y) / dz = e_y - p: d collects the brackets, p multiplies them once. In place,
+                    # so that rb's step holds one tile more than loo's (the reference's), not three
+                    d = None
+                    if g_k is not None:  # (z - m) - (r - m_r) - E_p[(z - m) - (r - m_r)]
+                        d = _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc)
+                        d = torch.sub(zm, d, out=d).add_((m_r[rows] - gap[rows]).unsqueeze(-1)).mul_(g_k[rows])
                     if g_e is not None:
-                        d = d - (zm - mz[rows].unsqueeze(-1)).mul_(g_e[rows])
+                        e = zm.sub_(mz[rows].unsqueeze(-1)).mul_(g_e[rows])  # zm is not read again
+                        d = e.neg_() if d is None else d.sub_(e)
+                    if g_l is not None:  # the last: alone, a view of g_l is all d needs to be
+                        d = -g_l[rows].expand_as(p) if d is None else d.sub_(g_l[rows])
                     ga = p.mul_(d).mul_(_dz_da(z, head))  # [r, vb]: the gradient of the head's raw output
                     if g_l is not None:  # + g_l at y, where y is in this tile
                         inside, col = _in_tile(tokens[rows], v0, v1)

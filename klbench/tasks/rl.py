@@ -122,10 +122,12 @@ class RLTask(pl.LightningModule):
                          float(self.cfg.get("adv_eps", 1e-6))).to(batch.logp.dtype)
 
     def on_fit_start(self) -> None:
-        # with no logger and no step bar (logger=none, output not a terminal) nothing reads train/ metrics, and
-        # every value estimator plus the entropy over [B, L, V] cost about a fifth of a step each time. Decided
-        # once for all processes (a bar can exist on one rank only): the metrics' reduce is a collective
-        read = self.logger is not None or self.trainer.progress_bar_callback is not None
+        # with no logger, no step bar and no plain progress lines nothing reads the train/ metrics, and every value
+        # estimator plus the entropy cost a part of a step each time. Decided once for all processes (a bar can
+        # exist on one rank only): the metrics' reduce is a collective
+        from klbench.console.progress import TrainingLines
+        read = self.logger is not None or self.trainer.progress_bar_callback is not None or \
+            any(isinstance(c, TrainingLines) for c in self.trainer.callbacks)
         self.metrics_read = bool(self.trainer.strategy.reduce(torch.tensor(float(read), device=self.device),
                                                               reduce_op="max") > 0)
 
