@@ -161,10 +161,11 @@ def load_policy_weights(policy, path: str, cfg: DictConfig) -> int:
     return int(payload.get("step") or 0)
 
 
-def _allows(cfg: DictConfig, *keys: str) -> bool:
-    """ckpt_allow_changes accepts a change of any of `keys` (a listed key, a group above it, or `*`)."""
+def _allows(cfg: DictConfig, *groups: str) -> bool:
+    """ckpt_allow_changes accepts a change within any of `groups` (the group, a key of it such as model.dtype,
+    which changes the frozen weights on purpose, or `*`)."""
     allowed = list(cfg.get("ckpt_allow_changes") or [])
-    return "*" in allowed or any(k == a or k.startswith(a + ".") for a in allowed for k in keys)
+    return "*" in allowed or any(a == g or a.startswith(g + ".") for a in allowed for g in groups)
 
 
 def frozen_fingerprint(module) -> str:
