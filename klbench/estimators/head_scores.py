@@ -119,35 +119,39 @@ def _dz_da(z: torch.Tensor, head: LMHead) -> torch.Tensor | float:
     return (1 - t * t) * k
 
 
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[r] row-wise sum of a * b, [r, vb] each, as one batched product: no [r, vb] product is written."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(-1)).view(-1)
+
+
 class _Running:
     """A row block's softmax over vocabulary chunks, kept as its running maximum m and s = sum exp(z - m), and the
-    p-weighted sums of (z - m) (the entropy) and of (z - m) - (r - m_r) (kappa), rescaled whenever m grows.
-    Everything is an offset from a maximum: at logits of tens of nats a log-normaliser rounds by 4e-6 in float32,
-    more than a small KL, while log p - log q of the likely tokens is a difference of small numbers."""
+    p-weighted sums of (z - m) (the entropy) and of (r - m_r) (kappa), rescaled whenever m grows. Everything is an
+    offset from a maximum: at logits of tens of nats a log-normaliser rounds by 4e-6 in float32, more than a small
+    KL, while the offsets of the likely tokens are small numbers, as in a log-softmax."""
 
     def __init__(self, rows: int, acc: torch.dtype, device: torch.device):
         self.m = torch.full((rows,), -torch.inf, dtype=acc, device=device)  # [r]
-        self.s, self.sz, self.sk = (torch.zeros_like(self.m) for _ in range(3))  # [r] each
+        self.s, self.sz, self.sr = (torch.zeros_like(self.m) for _ in range(3))  # [r] each
 
     def add(self, z: torch.Tensor, rs: torch.Tensor | None = None, offsets: bool = False) -> None:
-        """z [r, vb] one chunk's logits; rs [r, vb] the reference's r - m_r (kappa's sum), offsets: sum (z - m)."""
+        """z [r, vb] one chunk's logits (overwritten); rs [r, vb] the reference's r - m_r; offsets: sum p (z - m)."""
         m_new = torch.maximum(self.m, z.amax(-1))
         alpha = torch.exp(self.m - m_new)  # [r]: what was summed under the old maximum, rescaled
-        zm = z - m_new.unsqueeze(-1)  # [r, vb]
+        zm = z.sub_(m_new.unsqueeze(-1))  # [r, vb] z - m, in place
         e = torch.exp(zm)  # [r, vb]
-        # a sum of e (z - m) moves with m by s (m_old - m_new): zero while nothing is summed yet
-        moved = torch.where(self.s > 0, self.s * (self.m - m_new), 0.0) if offsets or rs is not None else None
-        if offsets:
-            self.sz = (self.sz + moved) * alpha + (e * zm).sum(-1)
+        if offsets:  # sum e (z - m) moves with m by s (m_old - m_new): zero while nothing is summed yet
+            moved = torch.where(self.s > 0, self.s * (self.m - m_new), 0.0)
+            self.sz = (self.sz + moved) * alpha + _dot(e, zm)
         if rs is not None:
-            self.sk = (self.sk + moved) * alpha + (e * (zm - rs)).sum(-1)
+            self.sr = self.sr * alpha + _dot(e, rs)
         self.s = self.s * alpha + e.sum(-1)
         self.m = m_new
 
 
-def _reduce(h, head, tokens, cd, acc, ref=None):
-    """One pass over h's tiles: (m, log s, z_y, E_p[z - m], E_p[(z - m) - (r - m_r)]) per row, [N] each.
-    ref: (h_ref, ref_head, m_r, log s_r) for kappa's sum; None: the last is zeros."""
+def _reduce(h, head, tokens, cd, acc, ref=None, offsets: bool = True):
+    """One pass over h's tiles: (m, log s, z_y, E_p[z - m], E_p[r - m_r]) per row, [N] each.
+    ref: (h_ref, ref_head, m_r) for kappa's sum; None: the last is zeros. offsets: E_p[z - m] (else zeros)."""
     dev = h.device
     N, V = h.shape[0], head.weight.shape[0]
     rb, vb = tile_shape(N, V, dev)
@@ -158,10 +162,10 @@ def _reduce(h, head, tokens, cd, acc, ref=None):
         for v0 in range(0, V, vb):
             v1 = min(V, v0 + vb)
             z = _tile(h[r0:r1], head, v0, v1, cd, acc)  # [r, vb]
-            rs = None if ref is None else _tile(ref[0][r0:r1], ref[1], v0, v1, cd, acc) - ref[2][r0:r1, None]
-            run.add(z, rs, offsets=True)
-            zy = _take(z, tokens[r0:r1], v0, v1, zy)
-        for x, v in zip(out, (run.m, torch.log(run.s), zy, run.sz / run.s, run.sk / run.s)):
+            zy = _take(z, tokens[r0:r1], v0, v1, zy)  # before add() overwrites z
+            rs = None if ref is None else _tile(ref[0][r0:r1], ref[1], v0, v1, cd, acc).sub_(ref[2][r0:r1, None])
+            run.add(z, rs, offsets=offsets)
+        for x, v in zip(out, (run.m, torch.log(run.s), zy, run.sz / run.s, run.sr / run.s)):
             x[r0:r1] = v
     return out
 
@@ -173,8 +177,9 @@ class _HeadScores(torch.autograd.Function):
         ctx.cd = cd
         acc = _acc(h.dtype)
         with torch.autocast(h.device.type, enabled=False):
-            m, ls, zy, mz, gap = _reduce(h, head, tokens, cd, acc, (h_ref, ref_head, m_r) if want_kappa else None)
+            m, ls, zy, mz, mr = _reduce(h, head, tokens, cd, acc, (h_ref, ref_head, m_r) if want_kappa else None)
         logp = (zy - m) - ls  # log p(y): differences of small numbers, as a log-softmax's
+        gap = mz - mr  # E_p[(z - m) - (r - m_r)]
         kappa = gap - ls + ls_r if want_kappa else torch.zeros_like(logp)  # E_p[log p - log q]
         entropy = ls - mz
         ctx.save_for_backward(h, h_ref, tokens, m, ls, gap, mz, m_r)
@@ -194,6 +199,20 @@ class _HeadScores(torch.autograd.Function):
         acc, cd = m.dtype, ctx.cd
         N, V = h.shape[0], head.weight.shape[0]
         rb, vb = tile_shape(N, V, h.device)
+        # d/dz = p (g_k ((z - m) - (r - m_r) - gap) - g_e ((z - m) - E_p[z - m]) - g_l) + g_l e_y, written as
+        # exp(z - m) (k_k (z - r) - k_e z + c): every per-row factor times exp(-log s), so that exp(z - m) is p,
+        # and the row's constant c computed in float64 (it holds m and m_r, tens of nats)
+        w = torch.exp(-ls).double()  # [N]
+        c = torch.zeros_like(w)
+        if g_l is not None:
+            c -= g_l[:, 0].double()
+        if g_k is not None:
+            c += g_k[:, 0].double() * (m_r.double() - m.double() - gap.double())
+        if g_e is not None:
+            c += g_e[:, 0].double() * (m.double() + mz.double())
+        c = (c * w).to(acc).unsqueeze(-1)  # [N, 1]
+        k_k = None if g_k is None else (g_k[:, 0].double() * w).to(acc).unsqueeze(-1)  # [N, 1]
+        k_e = None if g_e is None else (g_e[:, 0].double() * w).to(acc).unsqueeze(-1)  # [N, 1]
         with torch.autocast(h.device.type, enabled=False):
             gh = torch.zeros(h.shape, dtype=acc, device=h.device) if grads_of[0] else None  # [N, H]
             gw = torch.zeros(head.weight.shape, dtype=acc, device=h.device) if grads_of[1] else None  # [V, H]
@@ -204,24 +223,22 @@ class _HeadScores(torch.autograd.Function):
                 for v0 in range(0, V, vb):
                     v1 = min(V, v0 + vb)
                     z = _tile(x, head, v0, v1, cd, acc)  # [r, vb]
-                    zm = z - m[rows].unsqueeze(-1)  # [r, vb]
-                    p = (zm - ls[rows].unsqueeze(-1)).exp_()  # [r, vb]
-                    # d kappa / dz = p ((log p - log q) - kappa), d H / dz = -p ((z - m) - E_p[z - m]),
-                    # d log p(y) / dz = e_y - p: d collects the brackets, p multiplies them once. In place,
-                    # so that rb's step holds one tile more than loo's (the reference's), not three
-                    d = None
-                    if g_k is not None:  # (z - m) - (r - m_r) - E_p[(z - m) - (r - m_r)]
-                        d = _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc)
-                        d = torch.sub(zm, d, out=d).add_((m_r[rows] - gap[rows]).unsqueeze(-1)).mul_(g_k[rows])
-                    if g_e is not None:
-                        e = zm.sub_(mz[rows].unsqueeze(-1)).mul_(g_e[rows])  # zm is not read again
-                        d = e.neg_() if d is None else d.sub_(e)
-                    if g_l is not None:  # the last: alone, a view of g_l is all d needs to be
-                        d = -g_l[rows].expand_as(p) if d is None else d.sub_(g_l[rows])
-                    ga = p.mul_(d).mul_(_dz_da(z, head))  # [r, vb]: the gradient of the head's raw output
-                    if g_l is not None:  # + g_l at y, where y is in this tile
+                    dz = _dz_da(z, head)  # [r, vb] under a softcap, else a number
+                    if g_l is not None:
                         inside, col = _in_tile(tokens[rows], v0, v1)
-                        ga.scatter_add_(-1, col, g_l[rows] * inside.unsqueeze(-1) * _dz_da(z.gather(-1, col), head))
+                        one = g_l[rows] * inside.unsqueeze(-1) * _dz_da(z.gather(-1, col), head)  # [r, 1]
+                    d = None
+                    if g_k is not None:  # g_k (z - r) + the row's constant c (above)
+                        d = _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc)
+                        d = torch.sub(z, d, out=d).mul_(k_k[rows])
+                    if g_e is not None:  # - g_e z
+                        d = z * -k_e[rows] if d is None else d.sub_(z * k_e[rows])
+                    d = c[rows] if d is None else d.add_(c[rows])
+                    ga = z.sub_(m[rows].unsqueeze(-1)).exp_().mul_(d)  # exp(z - m) d = p (the brackets)
+                    if not (isinstance(dz, float) and dz == 1):
+                        ga.mul_(dz)
+                    if g_l is not None:  # + g_l e_y, where y is in this tile
+                        ga.scatter_add_(-1, col, one)
                     _accumulate(ga, x, head, v0, v1, r0, r1, gh, gw, gb, cd)
         out = [None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(head.weight.dtype),
                None if gb is None else gb.to(head.bias.dtype)]
@@ -270,5 +287,5 @@ def head_logprob(h: torch.Tensor, head: LMHead, tokens: torch.Tensor) -> tuple[t
     """([N] log pi(y), (m, log s) [N] each: the normaliser head_scores takes as ref_norm) of one model, without
     gradient (a step's reference pass), the vocabulary reduced a tile at a time. h: [N, H]; tokens: [N]."""
     with torch.autocast(h.device.type, enabled=False):
-        m, ls, zy, _, _ = _reduce(h, head, tokens, _compute_dtype(h), _acc(h.dtype))
+        m, ls, zy, _, _ = _reduce(h, head, tokens, _compute_dtype(h), _acc(h.dtype), offsets=False)
     return (zy - m) - ls, (m, ls)
