@@ -5,6 +5,7 @@
   klbench-audit --all --markdown docs/libraries.md
   klbench-audit --all --mlflow        also log the table as an artifact of an MLflow run
   klbench-audit --verdicts docs/verdicts.md   the verdicts on open proposals (klbench/exact/verdicts.py)
+  klbench-audit --all --markdown docs/libraries.md --mismatch docs/mismatch.md   also the mismatch axis (issue 44)
 """
 from __future__ import annotations
 
@@ -27,15 +28,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="log the table as an artifact of an MLflow run (default when MLFLOW_TRACKING_URI is set)")
     p.add_argument("--experiment", default="library-audit", help="MLflow experiment name (default library-audit)")
     p.add_argument("--verdicts", metavar="PATH", help="write the verdicts on open proposals (docs/verdicts.md) here")
+    p.add_argument("--mismatch", metavar="PATH", help="write the mismatch-axis page (docs/mismatch.md) here; with "
+                   "--markdown its table also goes into the libraries page")
     a = p.parse_args(argv)
     names = list(ALL) if a.all else a.names
-    if not names and not a.verdicts:
-        p.error("name a library or setting, or pass --all or --verdicts PATH")
+    if not names and not a.verdicts and not a.mismatch:
+        p.error("name a library or setting, or pass --all, --verdicts PATH or --mismatch PATH")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.verdicts:
         _verdicts(a.verdicts)
-        if not names:
-            return 0
+    extra = _mismatch(a.mismatch) if a.mismatch else []
+    if not names:
+        return 0
     from klbench.libraries.audit import markdown, run, text_table
 
     start = time.perf_counter()
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     table = text_table(cells)
     print(table)
     print(f"audit run time: {seconds:.1f} s")
-    page = markdown(cells, seconds)
+    page = markdown(cells, seconds) + ("\n".join(extra) + "\n" if extra else "")
     if a.markdown:
         Path(a.markdown).write_text(page)
         print(f"wrote {a.markdown}")
@@ -77,6 +81,18 @@ def _verdicts(path: str) -> None:
     for v in vs:
         print(f"{v.title}: {'holds' if v.holds(v.results[len(v.results) - len(v.cases):]) else 'does not hold'}")
     print(f"wrote {path}")
+
+
+def _mismatch(path: str) -> list[str]:
+    """docs/mismatch.md; returns its library table for the libraries page."""
+    from klbench.libraries import mismatch_report as mr
+
+    start = time.perf_counter()
+    rows, missing = mr.run()
+    own = mr.own_rows()
+    Path(path).write_text(mr.markdown(rows, own, missing, time.perf_counter() - start))
+    print(f"wrote {path}")
+    return mr.compact(rows)
 
 
 def _loads(name: str) -> bool:

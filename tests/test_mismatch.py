@@ -1,0 +1,173 @@
+"""Issue 44: the training-inference mismatch axis, exact on the tabular model (docs/mismatch.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from klbench.estimators import KLBatch, gradient_estimator
+from klbench.estimators.mismatch import mismatch_metrics
+from klbench.exact.mismatch import AXIS, Mismatch, audit_mismatch, distance
+from klbench.exact.tabular import TabularModel, default_instances
+
+SUPPORT_KEEPING = [k for k, m in AXIS.items() if m.keeps_support]
+
+
+# ---- the meter ----
+
+def _pair(seed: int, cut: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    scorer = torch.randn(5, generator=g, dtype=torch.float64)
+    sampler = scorer + 0.3 * torch.randn(5, generator=g, dtype=torch.float64)
+    if cut:
+        sampler[0] = -float("inf")
+    return torch.log_softmax(sampler, -1), torch.log_softmax(scorer, -1)
+
+
+def test_meter_token_means_are_the_exact_divergences():
+    """Every token once, weighted by pi_s (enumeration): the meter's means are KL(pi_s || pi) and chi^2(pi || pi_s)."""
+    ls, lq = _pair(0)
+    ps, pq = ls.exp(), lq.exp()
+    # one row per token, a 1-token sequence each; the weight pi_s enters through repetition-free weighting below
+    per = {k: [] for k in ("mismatch_k1", "mismatch_k3", "mismatch_chi2")}
+    for v in range(5):
+        m = mismatch_metrics(ls[v].view(1, 1), lq[v].view(1, 1), torch.ones(1, 1, dtype=torch.bool))
+        for k in per:
+            per[k].append(float(m[k]))
+    mean = {k: float((ps * torch.tensor(v, dtype=torch.float64)).sum()) for k, v in per.items()}
+    kl = float((ps * (ls - lq)).sum())
+    chi2 = float((pq ** 2 / ps).sum() - 1)
+    assert mean["mismatch_k1"] == pytest.approx(kl, rel=1e-6)
+    assert mean["mismatch_k3"] == pytest.approx(kl, rel=1e-6)
+    assert mean["mismatch_chi2"] == pytest.approx(chi2, rel=1e-6)
+
+
+def test_meter_k3_falls_short_by_the_cut_mass_where_the_sampler_cuts():
+    ls, lq = _pair(1, cut=True)
+    ps, pq = ls.exp(), lq.exp()
+    keep = torch.isfinite(ls)
+    r = (lq - ls)[keep].exp()
+    k3 = float((ps[keep] * (r - 1 - (lq - ls)[keep])).sum())
+    kl = float((ps[keep] * (ls - lq)[keep]).sum())
+    assert k3 == pytest.approx(kl - float(pq[~keep].sum()), rel=1e-9)
+
+
+def test_meter_zero_without_mismatch_and_masks_padding():
+    lp = torch.log_softmax(torch.randn(2, 3, 4), -1)[..., 0]
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    noisy = lp.clone()
+    noisy[~mask] = 5.0  # padding: never read
+    m = mismatch_metrics(noisy, lp, mask)
+    assert all(float(v) == 0 for v in m.values())
+
+
+def test_meter_bad_shapes_are_one_line_naming_both():
+    with pytest.raises(ValueError) as e:
+        mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool))
+    assert "(2, 3)" in str(e.value) and "(2, 4)" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="non-finite"):
+        mismatch_metrics(torch.tensor([[-float("inf")]]), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool))
+
+
+def test_behaviour_logp_of_the_wrong_shape_is_one_line_naming_both():
+    logp = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError) as e:
+        KLBatch(logp, logp, torch.ones(2, 3, dtype=torch.bool), old_logp=torch.zeros(2, 4, dtype=torch.float64))
+    assert "(2, 3)" in str(e.value) and "(2, 4)" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- the axis ----
+
+def test_mismatch_needs_the_exact_model_one_line():
+    with pytest.raises(ValueError) as e:
+        AXIS["bf16 noise"].sampler_table(object(), torch.zeros(2, 2))
+    assert "no exact truth" in str(e.value) and "\n" not in str(e.value)
+    for kind, size in (("bf16", 1.0), ("top_p", 1.5), ("stale", 0.5), ("temperature", 0)):
+        with pytest.raises(ValueError):
+            Mismatch(kind, size)
+
+
+def test_every_kind_moves_the_sampler_and_only_top_p_cuts_support():
+    model, theta = default_instances()[1]
+    for label, m in AXIS.items():
+        s = m.sampler_table(model, theta)
+        assert not torch.allclose(torch.softmax(s, -1), torch.softmax(theta, -1)), label
+        assert bool(torch.isfinite(s).all()) == m.keeps_support, label
+
+
+# ---- the PG candidates: hand-written corrections land where their math says ----
+
+def _seq_is(batch, r):  # REINFORCE with the sequence-level ratio: unbiased for grad E_pi[R]
+    w = torch.exp(torch.where(batch.mask, batch.log_w, 0).sum(-1)).detach()
+    return -(w * r * batch.masked_logp.sum(-1))
+
+
+def _token_is(batch, r):
+    return -(torch.where(batch.mask, torch.exp(batch.log_w), 0).sum(-1) * r)
+
+
+def _none(batch, r):
+    return -(r * batch.masked_logp.sum(-1))
+
+
+def test_pg_candidates_tell_the_three_corrections_apart():
+    m = AXIS["noise 0.1"]
+    assert audit_mismatch(_seq_is, m, "pg").match == "pg"
+    assert audit_mismatch(_token_is, m, "pg").match == "token_is_pg"
+    assert audit_mismatch(_none, m, "pg").match == "uncorrected_pg"
+    assert audit_mismatch(_none, None, "pg").match == "pg"  # no mismatch: all three coincide
+
+
+# ---- klbench's own estimators ----
+
+@pytest.mark.parametrize("label", SUPPORT_KEEPING)
+def test_rb_with_the_sampler_logprobs_is_exact_under_every_support_keeping_mismatch(label):
+    r = audit_mismatch(gradient_estimator("rb"), AXIS[label])
+    assert r.match == "kl_pi_ref", label
+
+
+def test_rb_under_top_p_is_off_and_ignoring_the_sampler_is_off():
+    from dataclasses import replace
+    rb = gradient_estimator("rb")
+    cut = audit_mismatch(rb, AXIS["sampler top-p 0.9"])
+    assert cut.match == "none of the above" and distance(cut, "kl_pi_ref") > 0.05
+    ignored = audit_mismatch(lambda b: rb(replace(b, old_logp=None)), AXIS["noise 0.1"])
+    assert ignored.match == "none of the above" and 1e-3 < distance(ignored, "kl_pi_ref") < 1
+
+
+def test_seq_ignoring_the_sampler_is_off_by_the_mismatch_size():
+    """seq refuses a behaviour batch; fed pi_s's samples as on-policy it follows nothing, more so as pi_s moves."""
+    from dataclasses import replace
+    seq = gradient_estimator("seq")
+    fed = lambda b: seq(replace(b, old_logp=None))  # noqa: E731
+    small = distance(audit_mismatch(fed, AXIS["bf16 noise"]), "kl_pi_ref")
+    large = distance(audit_mismatch(fed, AXIS["noise 0.1"]), "kl_pi_ref")
+    assert 0 < small < large < 1
+
+
+# ---- libraries: the installed corrections (skipped where a library is absent) ----
+
+def _setting(lib: str, name: str):
+    from klbench.libraries import LibraryMissing
+    from klbench.libraries.mismatch import LOADERS
+    try:
+        return next(s for s in LOADERS[lib]() if s.name == name)
+    except LibraryMissing as e:
+        pytest.skip(str(e))
+
+
+def test_verl_bypass_charges_the_sampler_in_the_reward_kl_while_its_pg_is_exact():
+    s = _setting("verl", "verl.rollout_corr.bypass_pg_is")
+    m = AXIS["noise 0.1"]
+    assert audit_mismatch(s.terms["pg"], m, "pg", tol=1e-5).match == "pg"
+    kl = audit_mismatch(s.terms["kl_reward"], m, tol=1e-5)
+    assert kl.match == "none of the above" and distance(kl, "kl_pi_ref") > 1e-3
+
+
+@pytest.mark.slow
+def test_trl_vllm_ratio_leaves_the_kl_term_uncorrected():
+    s = _setting("trl", "trl.grpo.vllm_is.sequence_truncate")
+    m = AXIS["noise 0.1"]
+    assert audit_mismatch(s.terms["pg"], m, "pg", tol=1e-5).match == "pg"
+    kl = audit_mismatch(s.terms["kl_loss"], m, tol=1e-5)
+    assert kl.match == "none of the above"
+    assert audit_mismatch(s.terms["kl_loss"], None, tol=1e-5).match == "partial_kl_pi_ref"
