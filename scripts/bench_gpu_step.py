@@ -12,12 +12,14 @@ default float32 weights); `--weights bfloat16` loads bf16 weights on both sides.
 tokens at temperature 1; GRPO's advantage (eps 1e-4) and DAPO's token-mean loss (TRL's defaults); beta 0.05; AdamW
 lr 1e-5, clipped at norm 1; no logger, gradient checkpointing or vLLM; the reward is the share of even ids in the
 response (computed on ids: free on both sides). 512 sequences do not fit one backward (~200 GB of activations), so
-both sides take --micro (64) at a time: klbench's task.micro_batch_size (scored under checkpoint and recomputed in
-backward: one more policy forward), TRL's per_device_train_batch_size with gradient accumulation (it still generates
-the 512 at once).
+both sides take --micro (64) at a time: klbench's task.micro_batch_size (each micro-batch scored from hidden states
+and backpropagated at once, one policy forward per sequence: klbench/tasks/step.py), TRL's
+per_device_train_batch_size with gradient accumulation (it still generates the 512 at once).
 Phases, between torch.cuda.synchronize() calls, with the peak torch.cuda.max_memory_allocated within each. klbench:
-rollout = LMPolicy.rollout; scoring = the rest of RLTask.training_step (both models' forward, reward, estimator,
-loss); backward; optimizer = clip, AdamW, zero_grad. TRL, from its own profiling timers: rollout = its generate();
+rollout = LMPolicy.rollout; scoring = the rest of RLTask.training_step (the reference pass, the policy's forward,
+reward, estimator, loss) less its backward passes; backward = those passes, one per micro-batch (and `carrier`,
+the returned loss's backward, which only hands their sum to .grad); optimizer = clip, AdamW, zero_grad; the policy's
+forwards per sequence per step are printed. TRL, from its own profiling timers: rollout = its generate();
 scoring = _prepare_inputs less generate (the reference's log-probs, rewards) plus compute_loss (the policy's forward,
 the loss); backward = accelerator.backward; optimizer = clip and step. step: the whole step (TRL: on_step_begin to
 on_step_end). Each side runs in a process of its own; figures are medians of --steps steps after --warmup.
@@ -145,6 +147,12 @@ def klbench_side(a, shape: dict, cuda: bool) -> dict:
     params = policy.trainable()
     texts, ph, out = prompts(shape["prompts"]), Phases(cuda), {}
     torch.manual_seed(SEED)
+    backward = torch.Tensor.backward
+
+    def timed_backward(t, *args, **kwargs):  # each micro-batch's backward inside training_step (tasks/step.py)
+        with ph("backward"):
+            return backward(t, *args, **kwargs)
+    rows = policy.rows_forwarded
     for step in range(a.warmup + a.steps):
         ph.steps.append({})
         with ph("step"):
@@ -152,17 +160,26 @@ def klbench_side(a, shape: dict, cuda: bool) -> dict:
             with ph("rollout"), torch.autocast(dev.type, dtype=torch.bfloat16):
                 ro = policy.rollout(texts, shape["samples"])  # tokens [B, P + L], mask [B, L]
             policy.rollout = lambda p, n: ro  # training_step's own rollout call returns this one
-            with ph("scoring"), torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = task.training_step(texts, step)  # both models' forward, reward, advantage, estimator, loss
+            torch.Tensor.backward = timed_backward
+            try:
+                # both models' forward, reward, advantage, estimator, loss, and each micro-batch's backward
+                with ph("training_step"), torch.autocast(dev.type, dtype=torch.bfloat16):
+                    loss = task.training_step(texts, step)
+            finally:
+                torch.Tensor.backward = backward
             del policy.rollout
-            with ph("backward"):
+            with ph("carrier"):  # what Lightning's backward then does: the parts' summed gradient into .grad
                 loss.backward()
             with ph("optimizer"):
                 torch.nn.utils.clip_grad_norm_(params, cfg.task.grad_clip)  # Lightning's gradient_clip_val
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        out = {"response_len": float(ro.mask.sum(1).float().mean()), "loss": float(loss.detach()),
-               "reward": float(task.rewards(ro).mean())}
+        rec = ph.steps[-1]  # scoring: training_step less the backward passes it ran
+        rec["scoring"] = [rec["training_step"][0] - rec.get("backward", [0.0])[0], rec["training_step"][1]]
+        out["forwards_per_sequence"] = (policy.rows_forwarded - rows) / len(ro.texts)
+        rows = policy.rows_forwarded
+        out |= {"response_len": float(ro.mask.sum(1).float().mean()), "loss": float(loss.detach()),
+                "reward": float(task.rewards(ro).mean())}
         print(f"klbench {est} step {step}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in ph.steps[-1].items()),
               flush=True)
     return {"phases": ph.summary(a.warmup), **out, "estimator": est, "klbench_overrides": over,
