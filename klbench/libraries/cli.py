@@ -18,6 +18,8 @@ from pathlib import Path
 
 from klbench.libraries import ALL
 
+VERSIONS = "## Versions over time"
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="klbench-audit", description=__doc__.splitlines()[0])
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"audit run time: {seconds:.1f} s")
     page = markdown(cells, seconds) + ("\n".join(extra) + "\n" if extra else "")
     if a.markdown:
+        old = Path(a.markdown).read_text() if Path(a.markdown).exists() else ""
+        if VERSIONS in old:  # scripts/audit_versions.py's section (other releases, other venvs) is kept
+            page += "\n" + VERSIONS + old.split(VERSIONS, 1)[1].split("\n## Under a training", 1)[0].rstrip("\n") + "\n"
         Path(a.markdown).write_text(page)
         print(f"wrote {a.markdown}")
     if a.mlflow or os.environ.get("MLFLOW_TRACKING_URI"):
@@ -77,7 +82,12 @@ def _verdicts(path: str) -> None:
         quoted["trl.grpo.sequence_is"] = (cells[0].match, cells[1].match)
     vs = verdicts.run(quoted)
     page = verdicts.markdown(vs, time.perf_counter() - start)
+    from klbench.libraries import mismatch_verdicts  # issue 44's claims, from the installed libraries
+    claims = mismatch_verdicts.run()
+    page = page.rstrip("\n") + "\n\n" + "\n".join(mismatch_verdicts.markdown(claims))
     Path(path).write_text(page)
+    for c in claims:
+        print(f"{c.title}: {({True: 'holds', False: 'does not hold', None: 'not decided here'})[c.holds]}")
     for v in vs:
         print(f"{v.title}: {'holds' if v.holds(v.results[len(v.results) - len(v.cases):]) else 'does not hold'}")
     print(f"wrote {path}")
