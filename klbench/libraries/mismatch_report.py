@@ -110,6 +110,7 @@ def markdown(rows: list[Row], own: list[Row], missing: list[str], seconds: float
               "(what a run does that trusts its sampler). The KL term's truth is grad KL(pi || pi_ref).", ""]
     lines += table(own, COLUMNS, with_source=False)
     lines += ["", "## Not on the axis", ""] + [f"- {m}" for m in missing]
+    lines += PROSE
     return "\n".join(lines) + "\n"
 
 
@@ -119,3 +120,49 @@ def compact(rows: list[Row]) -> list[str]:
             "Each library's rollout correction with the sampler's log-probs sent along (docs/mismatch.md has the",
             "setup, the options and klbench's own estimators): the KL term's and the policy-gradient term's verdicts",
             "under each mismatch kind.", ""] + table(rows, COLUMNS)
+
+
+PROSE = """
+## Reading the tables
+
+- A KL term that reads `kl_pi_ref` under a mismatch regularises KL(pi || pi_ref) whatever the sampler did; `partial_...@old`
+  is the prefix-fixed gradient with pi_s's prefixes; "none of the above (off x)" follows no KL gradient, x its relative
+  distance from grad KL(pi || pi_ref). A PG term that reads `pg` is fully corrected, `token_is_pg` per token only,
+  `uncorrected_pg` not at all.
+- `sampler top-p 0.9` cuts support: no importance weight exists for the tokens pi_s never draws, so nothing reads `pg`
+  or `kl_pi_ref` there (klbench refuses `task.kl_target=model` under truncation for this reason).
+- Every library's KL in the loss is computed on pi's own log-probs of pi_s's samples with no weight for the
+  mismatch, so it follows nothing as soon as pi_s != pi. A KL in the reward is corrected exactly when the PG loss's
+  correction is a full sequence-level weight and the charged log-probs are the trainer's (verl's decoupled
+  `seq_is`); where the library charges the engine's log-probs (verl's bypass mode, AReaL's decoupled loss), it is
+  the sampler's k1 that enters the reward.
+
+## The mismatch meter
+
+`klbench.estimators.mismatch.mismatch_metrics(sampler_logp, scorer_logp, mask)` returns the masked per-token means
+of k1 = -log r, k3 = r - 1 - log r (both unbiased for KL(pi_s || pi); k3 falls short by the scorer's mass on tokens
+the sampler cut), chi2 = (r - 1)^2 (unbiased for chi^2(pi || pi_s) = Var[r], the variance of the weight a correction
+multiplies by) and the largest |log r|, with r = pi(y_t) / pi_s(y_t) from the two log-probs of each sampled token;
+exact on enumerated pairs (`tests/test_mismatch.py`). A shape that disagrees is refused in one line naming the shapes.
+The RL task logs it as `train/mismatch_*` beside `train/logp_gap_*` (klbench/tasks/rl.py, `_log_train`).
+
+## `task.behaviour` (design)
+
+Which log-probs a batch's behaviour policy carries at `task.kl_target=model`: `scorer` (today's: the scoring pass's
+log pi_s, what `target_batch` computes when no `behaviour_logp` is given) or `sampler` (the rollout's own
+`Rollout.sample_logp`, passed as `target_batch(..., behaviour_logp=ro.sample_logp)`, as a vLLM pipeline would send
+them). The table above is its exact effect: with `sampler`, `rb` follows grad KL(pi || pi_ref) under every mismatch
+that keeps support; with `scorer` the mismatch is invisible to every estimator (the "ignored" rows). A shape or
+mask that disagrees is refused by KLBatch in one line naming both shapes; on a model without exact truth a mismatch
+setting is refused in one line (`Mismatch.sampler_table`). Wiring it needs the config schema, the scoring and the
+RL task, which this change does not edit.
+
+## Commands
+
+```bash
+klbench-audit --all --markdown docs/libraries.md --mismatch docs/mismatch.md   # this page and libraries.md's columns
+klbench-audit --verdicts docs/verdicts.md                                      # the claims, from installed code
+python scripts/audit_versions.py                                               # TRL and verl releases, skyrl 0.4.0
+python -m pytest tests/test_mismatch.py -q -n 0                                # fast exact tests; -m slow for the rest
+```
+""".splitlines()
