@@ -70,12 +70,16 @@ def audit(spec: str, base: Path) -> dict:
 
 
 def write_section(page: Path, section: list[str]) -> None:
-    """Replace (or append) the versions section of the generated libraries page; the audit keeps it."""
-    text = page.read_text()
-    head = text.split("\n" + MARK)[0].rstrip("\n")
-    rest = text.split("\n" + MARK)[1] if MARK in text else ""
-    tail = rest[rest.find("\n## ") + 1:] if "\n## " in rest else ""  # sections after it, unchanged
-    page.write_text(head + "\n" + "\n".join(section).rstrip("\n") + "\n" + ("\n" + tail if tail else ""))
+    """Replace the versions section of the generated libraries page (klbench-audit keeps it when it regenerates
+    the page), or add it before the relative errors."""
+    text, new = page.read_text(), "\n".join(section).strip("\n")
+    if MARK in text:
+        head, rest = text.split(MARK, 1)
+        tail = rest[rest.find("\n## ") + 1:] if "\n## " in rest else ""
+        page.write_text(head.rstrip("\n") + "\n\n" + new + "\n" + ("\n" + tail if tail else ""))
+        return
+    head, sep, tail = text.partition("\n## Relative errors")
+    page.write_text(head.rstrip("\n") + "\n\n" + new + "\n" + sep + tail)
 
 
 def main(argv: list[str] | None = None) -> int:

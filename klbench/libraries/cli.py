@@ -19,6 +19,15 @@ from pathlib import Path
 from klbench.libraries import ALL
 
 VERSIONS = "## Versions over time"
+MISMATCH = "## Under a training-inference mismatch"
+
+
+def _section(page: str, head: str) -> str:
+    """The section of a generated page that starts at `head`, up to the next '## ' section ('' if absent)."""
+    if head not in page:
+        return ""
+    body = page.split(head, 1)[1]
+    return (head + body.split("\n## ", 1)[0]).strip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("name a library or setting, or pass --all, --verdicts PATH or --mismatch PATH")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.verdicts:
-        _verdicts(a.verdicts)
+        _verdicts(a.verdicts, with_claims=bool(a.mismatch))
     extra = _mismatch(a.mismatch) if a.mismatch else []
     if not names:
         return 0
@@ -54,11 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     table = text_table(cells)
     print(table)
     print(f"audit run time: {seconds:.1f} s")
-    page = markdown(cells, seconds) + ("\n".join(extra) + "\n" if extra else "")
+    page = markdown(cells, seconds)
     if a.markdown:
         old = Path(a.markdown).read_text() if Path(a.markdown).exists() else ""
-        if VERSIONS in old:  # scripts/audit_versions.py's section (other releases, other venvs) is kept
-            page += "\n" + VERSIONS + old.split(VERSIONS, 1)[1].split("\n## Under a training", 1)[0].rstrip("\n") + "\n"
+        # the mismatch columns (new, or kept when not rerun) and scripts/audit_versions.py's section (other
+        # releases, other venvs: always kept) go before the relative errors
+        added = ["\n".join(extra).strip("\n")] if extra else [_section(old, MISMATCH)]
+        added.append(_section(old, VERSIONS))
+        head, sep, tail = page.partition("\n## Relative errors")
+        page = head.rstrip("\n") + "".join("\n\n" + x for x in added if x) + "\n" + sep + tail
         Path(a.markdown).write_text(page)
         print(f"wrote {a.markdown}")
     if a.mlflow or os.environ.get("MLFLOW_TRACKING_URI"):
@@ -70,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _verdicts(path: str) -> None:
+def _verdicts(path: str, with_claims: bool = False) -> None:
     """docs/verdicts.md: each verdict's exact audit, with the installed TRL's own sequence-level cell if TRL loads."""
     from klbench.exact import verdicts
     from klbench.libraries.audit import run
@@ -82,14 +95,18 @@ def _verdicts(path: str) -> None:
         quoted["trl.grpo.sequence_is"] = (cells[0].match, cells[1].match)
     vs = verdicts.run(quoted)
     page = verdicts.markdown(vs, time.perf_counter() - start)
-    from klbench.libraries import mismatch_verdicts  # issue 44's claims, from the installed libraries
-    claims = mismatch_verdicts.run()
-    page = page.rstrip("\n") + "\n\n" + "\n".join(mismatch_verdicts.markdown(claims))
+    # issue 44's claims need the libraries' corrections on the mismatch axis (minutes): run with --mismatch, else the
+    # section already in the page is kept
+    from klbench.libraries import mismatch_verdicts
+    old = Path(path).read_text() if Path(path).exists() else ""
+    if with_claims:
+        claims = mismatch_verdicts.run()
+        page = page.rstrip("\n") + "\n\n" + "\n".join(mismatch_verdicts.markdown(claims))
+        for c in claims:
+            print(f"{c.title}: {({True: 'holds', False: 'does not hold', None: 'not decided here'})[c.holds]}")
+    elif mismatch_verdicts.HEAD in old:
+        page = page.rstrip("\n") + "\n\n" + mismatch_verdicts.HEAD + old.split(mismatch_verdicts.HEAD, 1)[1]
     Path(path).write_text(page)
-    for c in claims:
-        print(f"{c.title}: {({True: 'holds', False: 'does not hold', None: 'not decided here'})[c.holds]}")
-    for v in vs:
-        print(f"{v.title}: {'holds' if v.holds(v.results[len(v.results) - len(v.cases):]) else 'does not hold'}")
     print(f"wrote {path}")
 
 

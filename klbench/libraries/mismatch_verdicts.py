@@ -15,6 +15,7 @@ from klbench.exact.mismatch import AXIS, audit_mismatch, distance
 from klbench.libraries.base import LibraryMissing, line_in, line_of
 
 TOL = 1e-5
+HEAD = "## Rollout corrections under the training-inference mismatch (issue 44)"
 
 
 @dataclass
@@ -176,12 +177,12 @@ def run() -> list[Claim]:
 
 
 def markdown(claims: list[Claim]) -> list[str]:
-    lines = ["## Rollout corrections under the training-inference mismatch (issue 44)", "",
+    lines = [HEAD, "",
              "On the exact mismatch axis (docs/mismatch.md; `noise 0.1`: sampler logits = theta + 0.1 N(0, 1)), from "
              "the installed code.", ""]
     for c in claims:
         verdict = {True: "holds", False: "does not hold", None: "not decided here"}[c.holds]
         lines += [f"### {c.title} ({c.source})", "", f"**Claim.** {c.claim}", "", "| conditions | found |", "|---|---|"]
         lines += [f"| {a} | {b} |" for a, b in c.rows]
-        lines += ["", f"**Verdict: {verdict}.** {c.consequence}".rstrip(), ""]
+        lines += ["", f"**Verdict (installed code, exact): {verdict}.** {c.consequence}".rstrip(), ""]
     return lines
