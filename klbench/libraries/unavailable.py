@@ -6,8 +6,10 @@ from __future__ import annotations
 # name -> (distribution and release the reason refers to, the reason)
 UNAVAILABLE = {
     "skyrl": ("skyrl 0.4.0", "the release with SkyRL #1353's fix (compute_approx_kl without @torch.no_grad()) "
-              "requires Python >=3.12, and its ppo_utils imports skyrl.backends (cloudpathlib, skyrl.tinker) and "
-              "skyrl.train.config, a runtime klbench does not install; not run"),
+              "requires Python >=3.12 (its wheel is pure Python: it installs with --ignore-requires-python), and its "
+              "ppo_utils imports skyrl.backends and skyrl.train.config, a runtime klbench does not install: not run "
+              "in this venv; `python scripts/audit_versions.py skyrl==0.4.0` audits its compute_approx_kl in a venv "
+              "of its own (docs/libraries.md, Versions over time)"),
     "nemo_rl": ("nemo-rl", "not on PyPI as a release (the name holds a 0.0.0 placeholder); installed from "
                 "GitHub with its CUDA stack only"),
     "slime": ("slime", "not on PyPI (THUDM/slime is installed from its repository inside a Megatron image)"),
