@@ -172,6 +172,10 @@ def markdown(cells: list[Cell], seconds: float) -> str:
             "with `task=rl`, distillation settings with `task=distill`); what TRL's default GRPO KL and verl's",
             "`low_var_kl` do to the reward-KL frontier, against `rb`, is in",
             "[library-estimators.md](library-estimators.md).", "",
+            "Two sections are made by other commands and kept when this page is regenerated: \"Under a",
+            "training-inference mismatch\" (`--mismatch docs/mismatch.md`: each rollout correction's KL and",
+            "policy-gradient verdicts when the sampler is not the trainer, [mismatch.md](mismatch.md)) and \"Versions",
+            "over time\" (`python scripts/audit_versions.py`: the same settings on older TRL and verl releases).", "",
             "## RL: a KL penalty against the reference pi_ref", ""]
     table = ["| library | setting | on-policy | off-policy | clamp fired | code (file:line) | aggregation | options |",
              "|---|---|---|---|---|---|---|---|"]
