@@ -14,10 +14,31 @@ keeps the logits path (klbench.models.policies says so in one line).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from klbench.estimators.head_scores import LMHead
+
+
+@contextmanager
+def gathered_heads(*models, release: bool = True):
+    """Whole LM-head weights inside the block, also under hardware=fsdp, where between forwards each is a shard of
+    the FSDP unit that owns it: that unit is gathered for the block (klbench.models.fsdp.gathered; release: resharded
+    after it, so a block must hold the backward that reads the weights). Nothing happens without sharding."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        yield
+        return
+    from klbench.models.fsdp import gathered, head_owner
+    owners = []
+    for model in models:
+        tree = getattr(model, "peft_model", None) or model  # a LoRA reference: its peft model holds the head
+        head = output_head(model)
+        if head is not None:
+            owners.append(head_owner(tree, head))
+    with gathered([o for o in owners if o is not None], release):
+        yield
 
 
 def output_head(model) -> nn.Module | None:

@@ -21,6 +21,7 @@ CPU gives the scorer's to about 1e-6) or, only where the rollout's do not serve,
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -29,7 +30,7 @@ from klbench.estimators import KLBatch
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.estimators.head_scores import head_logprob, head_scores
 from klbench.estimators.sampling import target_batch
-from klbench.models.head import final_hidden
+from klbench.models.head import final_hidden, gathered_heads
 from klbench.models.rollout import attention_backends, position_ids_from_mask
 
 # the fields of a ScoredBatch that hold one row per sequence
@@ -114,15 +115,16 @@ class Scoring:
     @torch.no_grad()
     def _reference(self) -> Reference:
         """The reference's hidden states, log-normaliser and log-probs of every row, a micro-batch at a time."""
-        _, ref_head = self.policy.heads
         parts = []
-        for i, j in self.cuts:
-            sub = self.ro.rows(i, j)
-            with attention_backends(sub.tokens.device):
-                h = final_hidden(self.policy.ref, sub.mask.shape[1], **self._inputs(sub))  # [m, L, H]
-            tok = sub.tokens[:, self.ro.prompt_len:][sub.mask]  # [N]
-            logp, (m, ls) = head_logprob(h[sub.mask], ref_head, tok)
-            parts.append((_scatter(sub.mask, logp), _scatter(sub.mask, m), _scatter(sub.mask, ls), h))
+        with gathered_heads(self.policy.ref):  # hardware=fsdp: the head's weight is a shard between forwards
+            _, ref_head = self.policy.heads
+            for i, j in self.cuts:
+                sub = self.ro.rows(i, j)
+                with attention_backends(sub.tokens.device):
+                    h = final_hidden(self.policy.ref, sub.mask.shape[1], **self._inputs(sub))  # [m, L, H]
+                tok = sub.tokens[:, self.ro.prompt_len:][sub.mask]  # [N]
+                logp, (m, ls) = head_logprob(h[sub.mask], ref_head, tok)
+                parts.append((_scatter(sub.mask, logp), _scatter(sub.mask, m), _scatter(sub.mask, ls), h))
         logp, m, ls, hidden = (torch.cat(x) for x in zip(*parts))
         return Reference(logp, (m, ls), hidden)
 
@@ -133,8 +135,12 @@ class Scoring:
         if self.fused and ro.sample_logp is not None:
             logp = torch.where(ro.mask, ro.sample_logp.float(), 0.0)
             return ScoredBatch(logp, self.ref.logp, ro.mask, group=ro.group)
-        with torch.no_grad():
+        with torch.no_grad(), self._heads():
             return self._assemble([self._part(i, j) for i, j in self.cuts])
+
+    def _heads(self, release: bool = True):
+        """The block in which the hidden-state path reads both LM heads (klbench.models.head.gathered_heads)."""
+        return gathered_heads(self.policy.model, self.policy.ref, release=release) if self.fused else nullcontext()
 
     def _part(self, i: int, j: int) -> ScoredBatch:
         sub = self.ro.rows(i, j)
@@ -177,8 +183,11 @@ class Scoring:
         """(i, j, rows i..j-1 scored with gradient where grad is on), kept for whole() as they come: detached, or
         with their graphs (keep_graph: Policy.score, whose caller backpropagates the whole batch)."""
         for i, j in self.cuts:
-            part = self._part(i, j)
-            yield i, j, part
+            # the heads stay gathered through the caller's backward of the part; with keep_graph that backward comes
+            # after the last part, and FSDP's own post-backward releases the policy's
+            with self._heads(release=not (keep_graph and torch.is_grad_enabled())):
+                part = self._part(i, j)
+                yield i, j, part
             self.kept.append(part if keep_graph else detached(part))
 
     def splice(self, part: ScoredBatch, i: int, j: int) -> ScoredBatch:
