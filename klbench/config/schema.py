@@ -499,7 +499,7 @@ def validate(cfg: DictConfig) -> None:
     dataset = ds.source
     _check_chat(ds, model)
     reward = _check_group(cfg, "reward").kind
-    _check_group(cfg, "hardware")
+    _check_fsdp(cfg, _check_group(cfg, "hardware"), task, model)
     _check_group(cfg, "store")  # before logger: the logger's URIs come from it
     _check_group(cfg, "logger")
     if task.name == "probe":  # measures the estimators on a policy/reference pair: no training, no reward
@@ -521,6 +521,25 @@ def validate(cfg: DictConfig) -> None:
 
 
 # ---- rules across groups: each group alone is already valid ----
+
+def _check_fsdp(cfg: DictConfig, hw: Hardware, task, model: str) -> None:
+    """hardware=fsdp (klbench/tasks/sharding.py): what it cannot shard or split, in one line. The devices against
+    the machine's are checked with torch (klbench.tasks.sharding.check_devices)."""
+    if hw.strategy != "fsdp2":
+        return
+    if model != "hf":
+        raise ConfigError(f"hardware=fsdp shards a transformers model's decoder layers and needs model=hf (a "
+                          f"Llama-architecture folder, ...), got model.kind={model}: use hardware=ddp or hardware=cpu")
+    if task.name not in ("rl", "distill"):
+        raise ConfigError(f"hardware=fsdp shards a training run (task=rl or task=distill), got task={task.name}")
+    if not (_is_int(hw.devices) and hw.devices >= 1 or isinstance(hw.devices, list)):
+        raise ConfigError(f"hardware=fsdp needs hardware.devices as a number of ranks, got {hw.devices}")
+    world = (len(hw.devices) if isinstance(hw.devices, list) else hw.devices) * hw.num_nodes
+    n = task.prompts_per_step
+    if n % world:
+        raise ConfigError(f"hardware=fsdp splits task.prompts_per_step={n} (the global batch) over hardware.devices x "
+                          f"hardware.num_nodes = {world} ranks, which does not divide it: choose a multiple of {world}")
+
 
 def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, teacher: str | None,
                        reward: str) -> None:

@@ -15,7 +15,6 @@ import random
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import grad_norm
 
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.advantages import advantage, reward_loss
@@ -198,7 +197,8 @@ class RLTask(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.logging_step(self.global_step):
-            norm = grad_norm(self.policy, norm_type=2).get("grad_2.0_norm_total", torch.tensor(0.0))
+            from klbench.tasks.sharding import grad_norm  # Lightning's, or hardware=fsdp's from the shards
+            norm = grad_norm(self.policy)
             self._log_now({"train/grad_norm": norm})
 
     def _log_now(self, metrics: dict) -> None:
@@ -215,6 +215,12 @@ class RLTask(pl.LightningModule):
             self.last_logged.update(logged)  # what the progress bar shows (klbench.console.progress)
             if self.logger is not None:
                 self.logger.log_metrics(logged, step=self.global_step)
+
+    def configure_model(self) -> None:
+        # hardware=fsdp: FSDP2 on the policy and the reference, before the optimizer sees the parameters
+        # (klbench/tasks/sharding.py); nothing under any other strategy
+        from klbench.tasks.sharding import configure_model
+        configure_model(self)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.policy.trainable(), lr=self.cfg["lr"], weight_decay=self.cfg["weight_decay"])

@@ -32,10 +32,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def world_size(hw) -> int:
+    """Ranks: hardware.devices (a count or a list of indices) x hardware.num_nodes."""
     devices = hw.devices
-    n = len(devices) if isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str) \
-        else int(devices)
-    return n * int(hw.num_nodes)
+    return (devices if isinstance(devices, int) else len(devices)) * int(hw.num_nodes)
 
 
 def trainer_arguments(hw):
@@ -70,26 +69,24 @@ def prompts_per_rank(cfg) -> int:
     return n // world_size(cfg.hardware)
 
 
-def check(cfg) -> None:
-    """One-line refusals of hardware=fsdp (klbench.config.schema calls it): models it cannot shard, more ranks than
-    devices, a global batch the ranks cannot split."""
-    from klbench.config.errors import ConfigError
-    hw = cfg.hardware
-    if hw.strategy != STRATEGY:
+def check_devices(hw) -> None:
+    """hardware=fsdp with more ranks on this machine than it has GPUs (or CPU cores, for CPU ranks): one line.
+    The rest is refused before torch loads (klbench.config.schema._check_fsdp)."""
+    if hw.strategy != STRATEGY or hw.num_nodes != 1:
         return
-    kind = cfg.model.kind
-    if kind != "hf":
-        raise ConfigError(f"hardware=fsdp shards a transformers model's decoder layers: it needs model=hf (a "
-                          f"Llama-architecture folder, ...), got model.kind={kind}; use hardware=ddp or hardware=cpu")
-    world = world_size(hw)
-    if hw.num_nodes == 1 and not isinstance(hw.devices, str):
-        on_gpu = hw.accelerator in ("gpu", "cuda") or (hw.accelerator == "auto" and torch.cuda.is_available())
-        have = torch.cuda.device_count() if on_gpu else os.cpu_count() or 1
-        if world > have:
-            raise ConfigError(f"hardware.devices={hw.devices}: this machine has {have} "
-                              f"{'GPUs' if on_gpu else 'CPU cores'}; choose at most {have}")
-    n = int(cfg.task.prompts_per_step)
-    if n % world:
-        raise ConfigError(f"hardware=fsdp splits task.prompts_per_step={n} (the global batch) over "
-                          f"hardware.devices x hardware.num_nodes = {world} ranks, which does not divide it: choose "
-                          f"a multiple of {world}")
+    on_gpu = hw.accelerator in ("gpu", "cuda") or (hw.accelerator == "auto" and torch.cuda.is_available())
+    have = torch.cuda.device_count() if on_gpu else os.cpu_count() or 1
+    if world_size(hw) > have:
+        from klbench.config.errors import ConfigError
+        raise ConfigError(f"hardware.devices={hw.devices}: this machine has {have} {'GPUs' if on_gpu else 'CPU cores'} "
+                          f"for hardware=fsdp's ranks; choose at most {have}")
+
+
+def grad_norm(policy) -> torch.Tensor:
+    """train/grad_norm: the 2-norm of the whole gradient. Lightning's grad_norm, except under hardware=fsdp, where
+    it is computed from every rank's shards (Lightning's reads each parameter's local tensor and cannot)."""
+    grads = [p.grad for p in policy.trainable() if p.grad is not None]
+    if not any(hasattr(g, "full_tensor") for g in grads):
+        from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+        return lightning_grad_norm(policy, norm_type=2).get("grad_2.0_norm_total", torch.tensor(0.0))
+    return torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()

@@ -45,6 +45,8 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.task.name == "pretrain":
         return
     hw = cfg.hardware
+    from klbench.tasks.sharding import check_devices
+    check_devices(hw)  # hardware=fsdp: no more ranks than this machine's devices
     if hw.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ValueError(f"hardware.accelerator={hw.accelerator} but no CUDA GPU is visible; use hardware=cpu")
     on_gpu = hw.accelerator in ("gpu", "cuda") or (hw.accelerator == "auto" and torch.cuda.is_available())
@@ -71,7 +73,8 @@ def local_ddp_store(cfg: DictConfig) -> None:
     global _ddp_store
     hw = cfg.hardware
     one_device = hw.devices == 1 or (OmegaConf.is_list(hw.devices) and len(hw.devices) == 1)
-    ddp = "ddp" in str(hw.strategy) or (hw.strategy == "auto" and not one_device)  # auto: ddp on 2+ devices
+    # auto: ddp on 2+ devices; fsdp2 (hardware=fsdp) rendezvous as ddp does
+    ddp = "ddp" in str(hw.strategy) or hw.strategy == "fsdp2" or (hw.strategy == "auto" and not one_device)
     if not ddp or hw.num_nodes != 1 or os.environ.get("LOCAL_RANK", "0") != "0":
         return  # no process group, several nodes, or a rank Lightning started (the store is its parent's)
     if any(env.detect() for env in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment)):
@@ -113,7 +116,8 @@ def build_data(cfg: DictConfig, fixed_prompt: str | None = None, policy=None) ->
     train, val = load_prompts(cfg.dataset, policy)
     if policy is not None:
         check_prompt_lengths(cfg.dataset, policy, train, val[:t.val_prompts])
-    return PromptData(train, val, t.prompts_per_step, t.val_prompts, cfg.seed)
+    from klbench.tasks.sharding import prompts_per_rank  # hardware=fsdp: task.prompts_per_step is the global batch
+    return PromptData(train, val, prompts_per_rank(cfg), t.val_prompts, cfg.seed)
 
 
 def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl.Trainer:
@@ -127,7 +131,11 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
         # ranks come from SLURM (srun tasks), but requeueing is submitit's: Lightning's own auto-requeue
         # would answer a signal with a second `scontrol requeue` and an hpc checkpoint nobody resumes
         plugins.append(SLURMEnvironment(auto_requeue=False))
-    return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, strategy=hw.strategy, precision=hw.precision,
+    strategy, precision = hw.strategy, hw.precision
+    if strategy == "fsdp2":  # hardware=fsdp: FSDP2 through ModelParallelStrategy (klbench/tasks/sharding.py)
+        from klbench.tasks.sharding import trainer_arguments
+        strategy, precision = trainer_arguments(hw)
+    return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, strategy=strategy, precision=precision,
                       num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
                       check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt, *bar, *progress.lines()], enable_checkpointing=False,
                       enable_progress_bar=bool(bar),
