@@ -1,5 +1,6 @@
 """One training step's loss, gradients and memory on `world` CPU ranks (gloo, FSDP2 when world > 1), for
-tests/test_fsdp.py: python tests/fsdp_worker.py OUT WORLD OVERRIDE...
+tests/test_fsdp.py: python tests/fsdp_worker.py WORLD OUT OVERRIDE... [:: OUT OVERRIDE...]...
+(one start of the ranks for several configs).
 
 Every rank builds the same models and draws the same global rollout (same seed) before sharding, scores its own
 prompts' rows (a prompt's samples on one rank), and backpropagates through klbench's step (klbench/tasks/step.py);
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def step(rank: int, world: int, out: str, overrides: list[str], port: int) -> None:
+def step(rank: int, world: int, out: str, overrides: list[str]) -> None:
     torch.set_num_threads(1)
     from klbench.config.compose import compose
     from klbench.models.fsdp import memory_per_rank, shard_policy
@@ -36,8 +37,6 @@ def step(rank: int, world: int, out: str, overrides: list[str], port: int) -> No
     B = len(ro.texts)
     i, j = rank * B // world, (rank + 1) * B // world
     if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy
         shard_policy(policy, init_device_mesh("cpu", (world,)), MixedPrecisionPolicy())
@@ -66,24 +65,35 @@ def step(rank: int, world: int, out: str, overrides: list[str], port: int) -> No
         mems = [mem]
     if rank == 0:
         torch.save({"same_rollout": same, "loss": float(value), "grads": grads, "memory": mems, "rows": B}, out)
-    if world > 1:
-        dist.destroy_process_group()
 
 
 def _whole(g):
     return (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
 
 
+def steps(rank: int, world: int, jobs: list[tuple[str, list[str]]], port: int) -> None:
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    for out, overrides in jobs:
+        step(rank, world, out, overrides)
+    if world > 1:
+        dist.destroy_process_group()
+
+
 def main() -> None:
-    out, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    if world == 1:
-        step(0, 1, out, overrides, 0)
-        return
+    world, jobs = int(sys.argv[1]), []
+    for job in " ".join(sys.argv[2:]).split(" :: "):
+        out, *overrides = job.split()
+        jobs.append((out, overrides))
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(step, args=(world, out, overrides, port), nprocs=world)
+    if world == 1:
+        steps(0, 1, jobs, port)
+    else:
+        mp.spawn(steps, args=(world, jobs, port), nprocs=world)
 
 
 if __name__ == "__main__":

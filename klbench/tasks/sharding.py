@@ -30,6 +30,27 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False)
         self.mp_policy = mp_policy
 
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        # each rank's own RNG state (RLTask.on_save_checkpoint keeps the saving rank's only): the ranks draw their
+        # rollouts apart, and an exact resume gives each its own stream back
+        if "rng" in checkpoint:
+            ranks = [None] * self.world_size
+            torch.distributed.all_gather_object(ranks, checkpoint["rng"])
+            checkpoint["rng_ranks"] = ranks
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        ranks = checkpoint.get("rng_ranks")
+        if ranks is not None:
+            if len(ranks) != self.world_size:
+                from klbench.record.resume import ResumeError
+                raise ResumeError(f"{checkpoint_path} was saved by {len(ranks)} hardware=fsdp ranks and this run has "
+                                  f"{self.world_size}: each rank's samples continue its own random stream, so an "
+                                  f"exact resume needs hardware.devices x hardware.num_nodes = {len(ranks)}")
+            checkpoint["rng"] = ranks[self.global_rank]  # what RLTask.on_load_checkpoint restores
+        return checkpoint
+
 
 def world_size(hw) -> int:
     """Ranks: hardware.devices (a count or a list of indices) x hardware.num_nodes."""

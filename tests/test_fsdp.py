@@ -1,0 +1,157 @@
+"""hardware=fsdp (klbench/tasks/sharding.py, klbench/models/fsdp.py): FSDP2 on real CPU ranks (gloo) on tiny
+Llama-architecture folders. 2 ranks give one process's loss and gradients on the same global batch; a rollout
+through the sharded policy draws the unsharded policy's tokens; each rank holds half the bytes; a 2-rank run
+trains through the CLI and resumes exactly; bad input is one line."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from klbench.config.schema import ConfigError, validate
+from test_config import compose_cfg
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+COMMON = ["task.prompts_per_step=4", "task.n_samples=3", "task.max_new_tokens=8"]
+# (name, overrides after model=hf model.name_or_path=<policy>; {teacher} is the second folder)
+CASES = {
+    "rb": ["model.ref_name_or_path={teacher}", "estimator=rb", "estimator.beta=0.5", "task.micro_batch_size=5"],
+    "loo": ["model.ref_name_or_path={teacher}", "estimator=loo", "estimator.beta=0.5"],
+    "distill_vopd": ["task=distill", "reward=none", "estimator=vopd", "estimator.beta=1.0", "model@teacher=hf",
+                     "teacher.name_or_path={teacher}"],
+    "lora_rb": ["model.lora.r=4", "estimator=rb", "estimator.beta=0.5"],  # the reference is the policy's base
+}
+
+
+def _env(tmp_path) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KLBENCH_OUTPUTS": str(tmp_path / "outputs")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def _worker(tmp_path, world: int, pair) -> dict[str, dict]:
+    """{case: the worker's results} of one start of `world` ranks over every case."""
+    jobs = []
+    for name, extra in CASES.items():
+        out = tmp_path / f"{name}-{world}.pt"
+        overrides = ["model=hf", f"model.name_or_path={pair[0]}", *COMMON, *(x.format(teacher=pair[1]) for x in extra)]
+        jobs.append(" ".join([str(out), *overrides]))
+    proc = subprocess.run([sys.executable, str(WORKER), str(world), " :: ".join(jobs)], cwd=tmp_path,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: torch.load(tmp_path / f"{name}-{world}.pt") for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tiny_arch, tmp_path_factory):
+    pair = tiny_arch("llama")
+    tmp = tmp_path_factory.mktemp("fsdp")
+    return _worker(tmp, 1, pair), _worker(tmp, 2, pair)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_give_one_process_loss_and_gradients(one_and_two, case):
+    one, two = one_and_two[0][case], one_and_two[1][case]
+    assert two["same_rollout"]  # the sharded policy's rollout (gathered once) draws the unsharded one's tokens
+    assert one["rows"] == two["rows"] == 12
+    assert abs(one["loss"] - two["loss"]) <= 1e-5 * max(1.0, abs(one["loss"]))
+    assert set(one["grads"]) == set(two["grads"]) and one["grads"]
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in one["grads"].values())))
+    assert norm > 1e-3  # a real gradient
+    for name, g in one["grads"].items():
+        gap = float((g - two["grads"][name]).abs().max())
+        assert gap <= 1e-6 * norm + 1e-6 * float(g.abs().max()), (name, gap, norm)
+
+
+def test_each_rank_holds_half_the_bytes(one_and_two):
+    for case in ("rb", "lora_rb"):
+        (one,), two = one_and_two[0][case]["memory"], one_and_two[1][case]["memory"]
+        total = sum(one.values())
+        for rank, mem in enumerate(two):
+            print(f"{case}: rank {rank} of 2 holds {mem} bytes ({sum(mem.values()) / total:.3f} of one process's "
+                  f"{one}, {total} bytes): parameters (policy and reference), gradients, AdamW state")
+            for key in one:
+                assert abs(mem[key] - one[key] / 2) <= 0.02 * one[key] + 64, (case, key, mem, one)
+
+
+# ---- through the CLI: Lightning's ModelParallelStrategy starts rank 1 itself ----
+
+def _klbench(tmp_path, pair, *extra, wait: bool = True):
+    args = [str(Path(sys.executable).with_name("klbench")), "hardware=fsdp", "hardware.devices=2",
+            "hardware.accelerator=cpu", "model=hf", f"model.name_or_path={pair[0]}",
+            f"model.ref_name_or_path={pair[1]}", "estimator=naive_mc", "estimator.beta=1.0", "logger=csv",
+            "task.prompts_per_step=4", "task.n_samples=2", "task.max_new_tokens=8", "task.val_prompts=4",
+            "task.val_every=2", "task.log_every=1", f"paths.outputs={tmp_path / 'outputs'}",
+            f"hydra.run.dir={tmp_path / 'run'}", *extra]
+    if not wait:
+        return subprocess.Popen(args, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+
+
+def _final(proc) -> dict[str, float]:
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("val/")]
+    return {parts[0]: float(parts[-1]) for parts in lines}
+
+
+def test_a_two_rank_run_trains_on_a_llama_folder(tmp_path, tiny_arch):
+    pair = tiny_arch("llama")
+    proc = _klbench(tmp_path, pair, "task.max_steps=4")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    final = _final(proc)
+    assert final["val/seq_kl"] > 0, proc.stdout[-2000:]  # naive_mc's noise moved the policy off pi_ref
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 4 and len(ckpt["rng_ranks"]) == 2  # one file, each rank's RNG
+    keys = list(ckpt["state_dict"])
+    assert keys and not any(k.startswith("policy.ref.") for k in keys)  # whole policy weights, no reference
+    assert all(not hasattr(v, "placements") for v in ckpt["state_dict"].values())
+
+
+@pytest.mark.slow
+def test_a_killed_two_rank_run_resumes_exactly(tmp_path, tiny_arch):
+    pair = tiny_arch("llama")
+    straight = _klbench(tmp_path / "a", pair, "task.max_steps=6")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = _klbench(tmp_path / "b", pair, "task.max_steps=6", wait=False)
+    ckpt = tmp_path / "b" / "run" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # both ranks, mid-run
+    proc.wait()
+    step = torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
+    assert step < 6
+    resumed = _klbench(tmp_path / "b", pair, "task.max_steps=6", "ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    a, b = _final(straight), _final(resumed)
+    assert a and a == b, (a, b, step)
+
+
+# ---- bad input: one line ----
+
+@pytest.mark.parametrize("overrides,says", [
+    (["model=tabular", "experiment=tabular"], "needs model=hf"),
+    ([], "needs model=hf"),  # the embedded default
+    (["model=hf", "model.name_or_path=x", "task.prompts_per_step=3"], "does not divide it"),
+    (["model=hf", "model.name_or_path=x", "hardware.devices=auto"], "number of ranks"),
+])
+def test_refusals_in_one_line(tmp_path, overrides, says):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(tmp_path, ["hardware=fsdp", *overrides]))
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_more_ranks_than_the_machine_has(tmp_path):
+    from klbench.tasks.train import check_config
+    n = (os.cpu_count() or 1) + 1
+    cfg = compose_cfg(tmp_path, ["hardware=fsdp", "hardware.accelerator=cpu", f"hardware.devices={n}", "model=hf",
+                                 "model.name_or_path=x", f"task.prompts_per_step={n}"])
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert f"hardware.devices={n}" in str(e.value) and "\n" not in str(e.value)
