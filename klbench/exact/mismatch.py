@@ -26,7 +26,7 @@ from klbench.exact.tabular import (DTYPE, AuditReport, AuditRow, TabularModel, T
                                    behaviour_tables, default_instances)
 
 KINDS = {
-    "noise": "sampler logits = theta + size * N(0, 1) (kernel and rounding noise; size 2^-8 is bf16's half-ulp at 1)",
+    "noise": "sampler logits = theta + size * N(0, 1) (kernel and rounding noise; 2^-8 is bf16's half-ulp at |x| = 1)",
     "temperature": "sampler logits = theta / size, the trainer scores theta (a temperature on one side only)",
     "top_p": "sampler = top-p(size) of theta, renormalised over the kept tokens (cuts support)",
     "stale": "sampler = theta taken size steps back along the exact gradient of E[R] - 0.1 KL (lr 0.5)",
@@ -126,11 +126,11 @@ def pg_gradients(model: TabularModel, theta: torch.Tensor, sampler: torch.Tensor
 
 
 def audit_mismatch(loss: Callable, mismatch: Mismatch | None, term: str = "kl", instances: list | None = None,
-                   tol: float = 1e-6) -> AuditReport:
+                   tol: float = 1e-6, n: int = 1) -> AuditReport:
     """Which exact gradient the expectation of `loss` follows with samples from pi_s = mismatch(theta), the batch
     carrying the sampler's log-probs as old_logp. term "kl": loss(batch) -> [B], tabular's candidates; term "pg":
     loss(batch, reward [B]) -> [B], the PG candidates. mismatch None: no mismatch, and still old_logp = the
-    sampler's (= pi's) log-probs, as a rollout engine sends them."""
+    sampler's (= pi's) log-probs, as a rollout engine sends them. n: samples per prompt (loo needs 2)."""
     if term not in ("kl", "pg"):
         raise ValueError(f"term must be 'kl' or 'pg', got {term!r}")
     instances = default_instances() if instances is None else instances
@@ -140,7 +140,7 @@ def audit_mismatch(loss: Callable, mismatch: Mismatch | None, term: str = "kl", 
     for (model, theta), old in zip(instances, olds):
         reward = TabularReward(model, seed=1).table if term == "pg" else None
         fn = loss if term == "kl" else (lambda b, r: -loss(b, r))  # a PG loss is minimised: -grad is the ascent
-        means.append(model.gradient_moments(fn, theta, behaviour=old, reward=reward).mean.flatten())
+        means.append(model.gradient_moments(fn, theta, n=n, behaviour=old, reward=reward).mean.flatten())
         ex = pg_gradients(model, theta, old, reward) if term == "pg" else model.exact_gradients(theta, behaviour=old)
         exacts.append({k: v.flatten() for k, v in ex.items()})
     candidates = [c for c in exacts[0] if c != "zero"] + ["zero"]

@@ -23,10 +23,10 @@ class Row:
     note: str = ""
 
 
-def verdict(loss, mismatch, term: str) -> str:
+def verdict(loss, mismatch, term: str, n: int = 1) -> str:
     """'<match> (<rel. error against the truth>)' or the library's one-line error."""
     try:
-        r = audit_mismatch(loss, mismatch, "pg" if term == "pg" else "kl", tol=TOL)
+        r = audit_mismatch(loss, mismatch, "pg" if term == "pg" else "kl", tol=TOL, n=n)
     except Exception as e:  # a library failure is this cell's result
         return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
     d = distance(r, TRUTH[term])
@@ -63,9 +63,9 @@ def own_rows(columns: list[str] | None = None) -> list[Row]:
         feeds = [("behaviour = sampler log-probs", est)] if est.supports_off_policy() else []
         feeds.append(("sampler log-probs ignored", lambda b, e=est: e(dc_replace(b, old_logp=None))))
         for how, loss in feeds:
-            row = Row(f"`{name}`", "klbench", how)
-            for c in columns:
-                row.verdicts[c] = verdict(loss, None if c == "none" else AXIS[c], "kl_loss")
+            row = Row(name, "klbench", how)
+            for c in columns:  # loo needs two samples per prompt
+                row.verdicts[c] = verdict(loss, None if c == "none" else AXIS[c], "kl_loss", n=2 if name == "loo" else 1)
             out.append(row)
     return out
 

@@ -36,7 +36,7 @@ from collections import defaultdict
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import Library, Setting, line_of, old_or_current, require, source_of
+from klbench.libraries.base import Library, LibraryMissing, Setting, line_of, old_or_current, require, source_of
 
 DIST, SUPPORTED = "trl", "1.16.0"
 
@@ -226,11 +226,19 @@ def load() -> Library:
     lib = Library(DIST, version)
     acc, trainers = None, []  # the Accelerator is made after every config: TrainingArguments resets its state
     grpo_src, rloo_src = source_of(GRPOTrainer._compute_loss), source_of(RLOOTrainer._compute_loss)
-    from trl.trainer.utils import add_fused_lm_head
-    divides = (f"policy, reference and old: add_fused_lm_head(..., temperature=self.temperature) on the model "
-               f"({line_of(GRPOTrainer.__init__, 'add_fused_lm_head(')}) and ref_model "
-               f"({line_of(GRPOTrainer.__init__, 'self.ref_model, temperature=self.temperature')}), all three scored "
-               f"by `{source_of(GRPOTrainer._get_per_token_logps_and_entropies)}`")
+    try:  # the temperature axis needs TRL's fused scorer; releases before 1.15 have none (scripts/audit_versions.py)
+        from trl.trainer.utils import add_fused_lm_head
+        divides = (f"policy, reference and old: add_fused_lm_head(..., temperature=self.temperature) on the model "
+                   f"({line_of(GRPOTrainer.__init__, 'add_fused_lm_head(')}) and ref_model "
+                   f"({line_of(GRPOTrainer.__init__, 'self.ref_model, temperature=self.temperature')}), all three "
+                   f"scored by `{source_of(GRPOTrainer._get_per_token_logps_and_entropies)}`")
+        rloo_divides = (f"policy, reference and old: add_fused_lm_head(..., temperature=self.temperature) on the "
+                        f"model ({line_of(RLOOTrainer.__init__, 'add_fused_lm_head(')}) and ref_model "
+                        f"({line_of(RLOOTrainer.__init__, 'add_fused_lm_head(self.ref_model')}), all three scored by "
+                        f"`{source_of(RLOOTrainer._get_per_token_logps_and_entropies)}`")
+    except (ImportError, LibraryMissing) as e:
+        add_fused_lm_head, divides = None, f"not called: this release has no add_fused_lm_head ({e})"
+        rloo_divides = divides
     for name, over in GRPO_SETTINGS.items():
         trainer = _grpo_trainer(GRPOTrainer, GRPOConfig, over, acc)
         trainers.append(trainer)
@@ -254,11 +262,7 @@ def load() -> Library:
             name, loss, grpo_src, f"_compute_loss per sequence, loss_type={a.loss_type}",
             f"beta={a.beta}, use_bias_correction_kl={a.use_bias_correction_kl}, "
             f"importance_sampling_level={a.importance_sampling_level}",
-            scored=_scored_grpo(unstubbed, add_fused_lm_head), divides_by_t=divides)
-    rloo_divides = (f"policy, reference and old: add_fused_lm_head(..., temperature=self.temperature) on the model "
-                    f"({line_of(RLOOTrainer.__init__, 'add_fused_lm_head(')}) and ref_model "
-                    f"({line_of(RLOOTrainer.__init__, 'add_fused_lm_head(self.ref_model')}), all three scored by "
-                    f"`{source_of(RLOOTrainer._get_per_token_logps_and_entropies)}`")
+            scored=_scored_grpo(unstubbed, add_fused_lm_head) if add_fused_lm_head else None, divides_by_t=divides)
     for name, over in RLOO_SETTINGS.items():
         trainer = _rloo_trainer(RLOOTrainer, RLOOConfig, over, acc)
         trainers.append(trainer)
@@ -278,7 +282,7 @@ def load() -> Library:
         trainers.append(unstubbed)
         lib.settings[name] = Setting(
             name, loss, rloo_src, "_compute_loss per sequence (sequence ratio, PPO clip); KL in the reward",
-            f"beta={a.beta}, epsilon={a.epsilon}", scored=_scored_rloo(unstubbed, add_fused_lm_head),
+            f"beta={a.beta}, epsilon={a.epsilon}", scored=_scored_rloo(unstubbed, add_fused_lm_head) if add_fused_lm_head else None,
             divides_by_t=rloo_divides)
     acc = _accelerator()
     for t in trainers:

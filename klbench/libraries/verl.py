@@ -46,8 +46,8 @@ from __future__ import annotations
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.libraries.base import (Library, Setting, line_in, line_of, old_or_current, package_file, require,
-                                   rescored, reward_to_go_surrogate, source_of, token_sum)
+from klbench.libraries.base import (Library, LibraryMissing, Setting, line_in, line_of, old_or_current, package_file,
+                                   require, rescored, reward_to_go_surrogate, source_of, token_sum)
 
 DIST, SUPPORTED = "verl", "0.9.1"
 KL_TYPES = ("k1", "kl", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+")
@@ -128,14 +128,17 @@ def load() -> Library:
 
     lib = Library(DIST, version)
     src = source_of(core_algos.kl_penalty)
-    score, divides = _scorer()
+    try:  # the temperature axis needs the FSDP engine's scaling; releases before 0.9 lack it (audit_versions.py)
+        score, divides = _scorer()
+    except (ImportError, AttributeError, LibraryMissing) as e:
+        score, divides = None, f"not called: {e}"
     for kind in KL_TYPES:
         def loss(batch: KLBatch, kind=kind) -> torch.Tensor:
             return token_sum(core_algos.kl_penalty(batch.masked_logp, batch.ref_logp, kind), batch)
 
         lib.settings[f"verl.kl_penalty.{kind}"] = Setting(
             f"verl.kl_penalty.{kind}", loss, src, "token sum per sequence (seq-mean-token-sum), in the loss",
-            "use_kl_loss=True, kl_loss_type=" + kind, scored=rescored(loss, score), divides_by_t=divides)
+            "use_kl_loss=True, kl_loss_type=" + kind, scored=score and rescored(loss, score), divides_by_t=divides)
     for name, over in PPO_LOSS_SETTINGS.items():
         config = _actor_config(ActorConfig, over)
 
@@ -148,7 +151,7 @@ def load() -> Library:
             "global_batch_size = 1, advantages 0",
             f"use_kl_loss=True, kl_loss_coef=1, kl_loss_type={config.kl_loss_type}, "
             f"policy_loss={config.policy_loss.loss_mode}, clip_ratio={config.clip_ratio}",
-            scored=rescored(actor_loss, score), divides_by_t=divides)
+            scored=score and rescored(actor_loss, score), divides_by_t=divides)
     for kind in ("kl", "low_var_kl"):  # "kl" is algorithm.kl_penalty's default
         def reward_loss(batch: KLBatch, kind=kind) -> torch.Tensor:
             with torch.no_grad():
@@ -159,7 +162,7 @@ def load() -> Library:
             f"verl.kl_in_reward.{kind}", reward_loss, src,
             "in the reward on old_log_probs (as ray_trainer.apply_kl_penalty); return-to-go REINFORCE (klbench's)",
             "use_kl_in_reward=True, kl_penalty=" + kind + (" (default)" if kind == "kl" else ""),
-            scored=rescored(reward_loss, score), divides_by_t=divides)
+            scored=score and rescored(reward_loss, score), divides_by_t=divides)
     _distill_settings(lib, ActorConfig)
     return lib
 

@@ -112,7 +112,10 @@ def markdown(results: list[dict], failures: list[str]) -> list[str]:
 
 
 def _bold_changes(vals: list[str]) -> list[str]:
-    return [f"**{v}**" if i and v != vals[i - 1] else v for i, v in enumerate(vals)]
+    """Bold a verdict that differs from the release before; an adapter's failure ('raised') is no verdict."""
+    def changed(i):
+        return i and vals[i] != vals[i - 1] and not vals[i].startswith("raised") and not vals[i - 1].startswith("raised")
+    return [f"**{v}**" if changed(i) else v for i, v in enumerate(vals)]
 
 
 def _vkey(v: str):
