@@ -301,6 +301,7 @@ def test_probe_on_a_tiny_hf_lm_pair(tmp_path, single_thread, tiny_pair):
     # (that it is not along grad kl_pi_ref is not resolved on this pair at this R: its weights exp(-rho) are
     # heavy-tailed; docs/probe.md has the embedded results, where it is at step 60 and is not at step 120)
     assert grads["rb"]["cos_kl_pi_ref_lo"] <= 1 <= grads["rb"]["cos_kl_pi_ref_hi"], grads["rb"]
+    assert {"topk_tail", "topk_trunc", "vopd"} <= set(grads)  # measured: the probe keeps the logits they read
     values = list(csv.DictReader(open(folder / "probe_values.csv")))
     assert {r["estimator"] for r in values} >= {"mc", "k2", "k3", "cv_seq", "cv_opt", "rb"}
 

@@ -221,14 +221,21 @@ def test_an_unknown_library_setting_is_one_line_naming_the_valid_ones(tmp_path):
 
 
 def test_train_metrics_only_where_something_reads_them(tmp_path, monkeypatch):
-    """logger=none with no step bar (output not a terminal, as under pytest) skips the train/ metrics, which
-    draw no random numbers: the run's results are those of the same run with MLflow, which computes them."""
+    """logger=none with output that is not a terminal (as under pytest) still computes the train/ metrics: the
+    plain progress lines show the latest reward and KL (klbench.console.progress.TrainingLines). They draw no
+    random numbers: the run's results are those of the same run with MLflow. With nothing that reads them (no
+    logger, no bar, no progress lines) they are skipped."""
+    from klbench.console import progress
     from klbench.tasks.rl import RLTask
     calls = []
     original = RLTask._log_train
     monkeypatch.setattr(RLTask, "_log_train", lambda self, *a: calls.append(1) or original(self, *a))
     quiet = run(compose_cfg(tmp_path / "none", TABULAR + ["logger=none"]))
-    assert calls == []
+    assert len(calls) == 30 // 5  # task.log_every=5: the progress lines read them
     logged = run(compose_cfg(tmp_path / "mlflow", TABULAR))
-    assert len(calls) == 30 // 5  # task.log_every=5
+    assert len(calls) == 2 * (30 // 5)
+    monkeypatch.setattr(progress, "lines", lambda: [])  # nothing reads them
+    calls.clear()
+    unread = run(compose_cfg(tmp_path / "unread", TABULAR + ["logger=none"]))
+    assert calls == [] and unread == quiet
     assert quiet == logged

@@ -250,7 +250,8 @@ def _run(policy, prompts: list[str], cfg: ProbeOptions, progress: bool, log) -> 
                 except ValueError as e:
                     skipped[lab] = str(e)
         del batch
-        gbatch = policy.score(_sub_rollout(ro, grad_rows))
+        # top-k estimators read the whole distributions: a language model then keeps its logits for them
+        gbatch = policy.score(_sub_rollout(ro, grad_rows), logits=any(g.reads_logits for g in grads.values()))
         live = [lab for lab in grads if lab not in skipped]
         for i, lab in enumerate(live):
             try:

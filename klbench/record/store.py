@@ -257,7 +257,7 @@ def _create(uri: str, path: Path, template_dir: str | os.PathLike | None = None)
         SqlAlchemyStore(uri, file_uri(path.parent / "mlartifacts")).engine.dispose()
     except Exception as e:
         path.unlink(missing_ok=True)  # absent or empty before: nothing of anyone's is lost
-        if type(e).__name__ == "CacheUnusable":  # the template's folder: its own one line (models.embedded.cache)
+        if type(e).__name__ == "CacheUnusable":  # the template's folder: its own one line (config.errors)
             raise
         cause = "the disk is full" if disk_full(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         raise StoreError(f"cannot create the MLflow store {path}: {cause} "
@@ -279,7 +279,7 @@ def _template(folder: Path) -> Path:
         template.parent.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     except OSError as e:  # the cache is a file, or read-only: said as the cache's, not as the store's
-        from klbench.models.embedded.cache import unusable
+        from klbench.config.errors import unusable
         raise unusable(str(folder), "hold the empty MLflow store every new store is copied from", e) from None
     with lock:  # held since the acquire above (a FileLock counts its acquisitions)
         if not template.is_file():

@@ -122,7 +122,6 @@ def finish(client, config: DictConfig, parent: str, study: tuple[str, str] | Non
     metric = (list(OmegaConf.select(config, "optimized_metrics") or []) or ["val/reward"])[0]
     runs = collect_runs(client, parent_run_id=parent, noticed_by="the sweep's end", reward_metric=metric)
     log.info("sweep %s: trial runs %s; for the Pareto plot: %s", parent, counts, runs.describe())
-    from klbench.sweep.trial import swept_keys
     swept = swept_keys(config)  # they, and the params derived from them (frontier.DERIVED), may differ
     if len(groups := group_runs(runs, vary=swept)) > 1:
         raise ValueError(f"the trials are not comparable, so no one frontier: {describe_groups(groups)}")
@@ -241,3 +240,12 @@ def print_sweep_where(sweep_dir: Path, client=None, parent: str | None = None, t
         ui = console.mlflow_ui_lines(tracking_uri, info.experiment_id, parent, console.ui_port())
         lines += [("to see it" if i == 0 else "", line) for i, line in enumerate(ui)]
     console.print_where(lines)
+
+
+def swept_keys(config: DictConfig) -> list[str]:
+    """Every key the sweep varies, on the sweeper's side: hydra.sweeper.params and the command line's sweeps
+    (`'task.temperature=choice(0.7,1.0)'`, `seed=0,1`), which the Optuna sweeper adds to its search space."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    keys = list(OmegaConf.select(config, "hydra.sweeper.params") or {})
+    parsed = OverridesParser.create().parse_overrides(list(OmegaConf.select(config, "hydra.overrides.task") or []))
+    return keys + [o.key_or_group for o in parsed if o.is_sweep_override() and o.key_or_group not in keys]

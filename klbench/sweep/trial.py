@@ -40,15 +40,6 @@ def swept_values(config: DictConfig) -> dict[str, object]:
     return {key: OmegaConf.select(config, key) for key in OmegaConf.select(config, "hydra.sweeper.params") or {}}
 
 
-def swept_keys(config: DictConfig) -> list[str]:
-    """Every key the sweep varies, on the sweeper's side: hydra.sweeper.params and the command line's sweeps
-    (`'task.temperature=choice(0.7,1.0)'`, `seed=0,1`), which the Optuna sweeper adds to its search space."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    keys = list(OmegaConf.select(config, "hydra.sweeper.params") or {})
-    parsed = OverridesParser.create().parse_overrides(list(OmegaConf.select(config, "hydra.overrides.task") or []))
-    return keys + [o.key_or_group for o in parsed if o.is_sweep_override() and o.key_or_group not in keys]
-
-
 def end(config: DictConfig, job_return: JobReturn) -> None:
     """After the trial: its MLflow run marked FAILED if it failed, and tagged with its folder."""
     for key in (RESUME_ENV, NAME_ENV):  # the basic launcher runs the next trial in this process

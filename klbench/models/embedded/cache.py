@@ -25,43 +25,22 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from klbench.config.errors import ConfigError
+from klbench.config.errors import CACHE_WHERE as WHERE
+from klbench.config.errors import CacheUnusable, ConfigError, file_above, unusable
 from klbench.models.embedded.spec import EMBEDDED_CODE_VERSION, complete_spec, spec_hash, tokenizer_spec
 
 CACHE_ENV = "KLBENCH_CACHE"
-WHERE = "$KLBENCH_CACHE, else $XDG_CACHE_HOME/klbench, else ~/.cache/klbench; paths.cache="
 
 
-class CacheUnusable(ConfigError):
-    """The cache cannot hold what a run must write there (a file where its folder should be, a read-only
-    folder, a full disk), or what it holds cannot be read: one line naming the folder and what to do."""
-
-
-def unusable(folder: str, doing: str, e: OSError) -> CacheUnusable:
-    """The one line for an OSError met while `doing` (e.g. "build the embedded reference LM") in `folder`."""
-    if isinstance(e, (NotADirectoryError, FileExistsError)) or e.errno in (errno.ENOTDIR, errno.EEXIST):
-        why = f"{_file_above(e.filename or folder)} is a file, not a folder"
-    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        why = f"{e.filename or folder} cannot be written ({e.strerror})"
-    else:
-        why = e.strerror or str(e)
-    return CacheUnusable(f"the klbench cache {folder} ({WHERE}) cannot {doing}: {why}; point KLBENCH_CACHE at a "
-                         "folder you can write")
-
-
-def _file_above(path: str) -> str:
-    """The file that stands where `path` or one of the folders above it should be (else `path`)."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p) and os.path.dirname(p) != p:
-        p = os.path.dirname(p)
-    return p if os.path.exists(p) and not os.path.isdir(p) else path
+# CacheUnusable and unusable() live with the error types (klbench.config.errors): the record's store template
+# is made in the same cache and says so with the same line
 
 
 def check_folder(folder: str | os.PathLike) -> None:
     """At a run's start: the cache is a folder, or can become one (nothing above it is a file). Whether it can
     be written is found when something must be written there: a read-only cache that holds every model a run
     needs serves it."""
-    above = _file_above(os.fspath(folder))
+    above = file_above(os.fspath(folder))
     if os.path.exists(above) and not os.path.isdir(above):
         raise unusable(os.fspath(folder), "be used", NotADirectoryError(errno.ENOTDIR, "Not a directory", above))
 
