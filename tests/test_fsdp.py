@@ -83,6 +83,7 @@ def test_each_rank_holds_half_the_bytes(one_and_two):
 # ---- through the CLI: Lightning's ModelParallelStrategy starts rank 1 itself ----
 
 def _klbench(tmp_path, pair, *extra, wait: bool = True):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     args = [str(Path(sys.executable).with_name("klbench")), "hardware=fsdp", "hardware.devices=2",
             "hardware.accelerator=cpu", "model=hf", f"model.name_or_path={pair[0]}",
             f"model.ref_name_or_path={pair[1]}", "estimator=naive_mc", "estimator.beta=1.0", "logger=csv",

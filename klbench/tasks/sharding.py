@@ -5,7 +5,7 @@
 
 Every rank holds a 1/world shard of the policy, its gradients and AdamW's state, and of the reference. The run is
 the same experiment whatever the number of ranks: task.prompts_per_step is the step's global batch, split evenly
-(prompts_per_rank), and each prompt's samples stay on one rank (their group baselines are exact). Gradients are
+(FSDP2Strategy.batch_to_device), and each prompt's samples stay on one rank (their group baselines are exact). Gradients are
 averaged over ranks by FSDP's reduce-scatter, which is the global batch's gradient for every loss that is a mean
 over sequences (the default task.loss_agg=seq_sum; token_mean normalises by each rank's own token count).
 """
@@ -29,6 +29,14 @@ class FSDP2Strategy(ModelParallelStrategy):
     def __init__(self, world: int, mp_policy):
         super().__init__(data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False)
         self.mp_policy = mp_policy
+
+    def batch_to_device(self, batch, device=None, dataloader_idx: int = 0):
+        # every rank loads the step's whole batch of prompts (no distributed sampler: klbench.models.data.EpochShuffle
+        # then resumes mid-epoch exactly) and keeps its own contiguous share: a prompt's samples stay on one rank
+        if isinstance(batch, (list, tuple)) and batch:
+            n, r, w = len(batch), self.global_rank, self.world_size
+            batch = batch[r * n // w:(r + 1) * n // w]
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         # each rank's own RNG state (RLTask.on_save_checkpoint keeps the saving rank's only): the ranks draw their
@@ -59,7 +67,8 @@ def world_size(hw) -> int:
 
 
 def trainer_arguments(hw):
-    """(the Trainer's strategy, its precision) for hardware=fsdp. bf16-mixed becomes FSDP2's MixedPrecisionPolicy:
+    """The Trainer's strategy, precision and use_distributed_sampler for hardware=fsdp (FSDP2Strategy.batch_to_device
+    splits the batches). bf16-mixed becomes FSDP2's MixedPrecisionPolicy:
     bfloat16 parameters in forward and backward, gradients reduced in float32, float32 shards for AdamW; Lightning's
     precision stays 32-true (its autocast would cast again what FSDP has cast). bf16-true: bfloat16 shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -69,7 +78,7 @@ def trainer_arguments(hw):
         precision = "32-true"
     else:
         mp = MixedPrecisionPolicy()
-    return FSDP2Strategy(world_size(hw), mp), precision
+    return dict(strategy=FSDP2Strategy(world_size(hw), mp), precision=precision, use_distributed_sampler=False)
 
 
 def configure_model(task) -> None:
@@ -80,14 +89,6 @@ def configure_model(task) -> None:
         return
     from klbench.models.fsdp import shard_policy
     shard_policy(task.policy, strategy.device_mesh["data_parallel"], strategy.mp_policy)
-
-
-def prompts_per_rank(cfg) -> int:
-    """task.prompts_per_step per process: all of them, except under hardware=fsdp, where it is the global batch."""
-    n = int(cfg.task.prompts_per_step)
-    if cfg.hardware.strategy != STRATEGY:
-        return n
-    return n // world_size(cfg.hardware)
 
 
 def check_devices(hw) -> None:

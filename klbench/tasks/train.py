@@ -116,8 +116,7 @@ def build_data(cfg: DictConfig, fixed_prompt: str | None = None, policy=None) ->
     train, val = load_prompts(cfg.dataset, policy)
     if policy is not None:
         check_prompt_lengths(cfg.dataset, policy, train, val[:t.val_prompts])
-    from klbench.tasks.sharding import prompts_per_rank  # hardware=fsdp: task.prompts_per_step is the global batch
-    return PromptData(train, val, prompts_per_rank(cfg), t.val_prompts, cfg.seed)
+    return PromptData(train, val, t.prompts_per_step, t.val_prompts, cfg.seed)
 
 
 def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl.Trainer:
@@ -131,11 +130,11 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
         # ranks come from SLURM (srun tasks), but requeueing is submitit's: Lightning's own auto-requeue
         # would answer a signal with a second `scontrol requeue` and an hpc checkpoint nobody resumes
         plugins.append(SLURMEnvironment(auto_requeue=False))
-    strategy, precision = hw.strategy, hw.precision
-    if strategy == "fsdp2":  # hardware=fsdp: FSDP2 through ModelParallelStrategy (klbench/tasks/sharding.py)
+    parallel = dict(strategy=hw.strategy, precision=hw.precision)
+    if hw.strategy == "fsdp2":  # hardware=fsdp: FSDP2 through ModelParallelStrategy (klbench/tasks/sharding.py)
         from klbench.tasks.sharding import trainer_arguments
-        strategy, precision = trainer_arguments(hw)
-    return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, strategy=strategy, precision=precision,
+        parallel = trainer_arguments(hw)
+    return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, **parallel,
                       num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
                       check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt, *bar, *progress.lines()], enable_checkpointing=False,
                       enable_progress_bar=bool(bar),
