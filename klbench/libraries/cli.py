@@ -107,6 +107,8 @@ def _verdicts(path: str, with_claims: bool = False) -> None:
     elif mismatch_verdicts.HEAD in old:
         page = page.rstrip("\n") + "\n\n" + mismatch_verdicts.HEAD + old.split(mismatch_verdicts.HEAD, 1)[1]
     Path(path).write_text(page)
+    for v in vs:
+        print(f"{v.title}: {'holds' if v.holds(v.results[len(v.results) - len(v.cases):]) else 'does not hold'}")
     print(f"wrote {path}")
 
 
