@@ -132,10 +132,14 @@ PROSE = """
 - `sampler top-p 0.9` cuts support: no importance weight exists for the tokens pi_s never draws, so nothing reads `pg`
   or `kl_pi_ref` there (klbench refuses `task.kl_target=model` under truncation for this reason).
 - Every library's KL in the loss is computed on pi's own log-probs of pi_s's samples with no weight for the
-  mismatch, so it follows nothing as soon as pi_s != pi. A KL in the reward is corrected exactly when the PG loss's
-  correction is a full sequence-level weight and the charged log-probs are the trainer's (verl's decoupled
-  `seq_is`); where the library charges the engine's log-probs (verl's bypass mode, AReaL's decoupled loss), it is
-  the sampler's k1 that enters the reward.
+  mismatch, so it follows nothing as soon as pi_s != pi. A KL in the reward follows grad KL(pi || pi_ref) exactly
+  only where the PG loss's correction is a full sequence-level weight, its cap does not fire, and the charged
+  log-probs are the trainer's: verl's decoupled `seq_is` (and `seq_is_rs`) under noise and staleness; at a one-sided
+  T 0.8 the cap 2.0 fires and it is off too. Where the library charges the engine's log-probs (verl's bypass mode,
+  AReaL's decoupled loss) the sampler's k1 enters the reward, and no correction of the PG term repairs that.
+- Per-token corrections (TRL `token_*`, verl `*_token_*`, OpenRLHF, AReaL `token_*`) give `token_is_pg`: the prefixes
+  and continuations stay the sampler's. The PG term is exact (`pg`) only under a sequence-level weight (TRL
+  `sequence_*`, verl `*seq_is*`, `bypass_pg_is`) while every weight stays under its cap.
 
 ## The mismatch meter
 
