@@ -58,6 +58,8 @@ def step(rank: int, world: int, out: str, overrides: list[str]) -> None:
     opt = torch.optim.AdamW(policy.trainable(), lr=1e-3)
     opt.step()  # allocates AdamW's two moments
     mem = memory_per_rank(task, opt)
+    import resource
+    mem["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the whole process's, load included
     mems = [None] * world
     if world > 1:
         dist.all_gather_object(mems, mem)

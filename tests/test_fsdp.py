@@ -72,11 +72,13 @@ def test_two_ranks_give_one_process_loss_and_gradients(one_and_two, case):
 def test_each_rank_holds_half_the_bytes(one_and_two):
     for case in ("rb", "lora_rb"):
         (one,), two = one_and_two[0][case]["memory"], one_and_two[1][case]["memory"]
-        total = sum(one.values())
+        keys = ("params", "grads", "optimizer")
+        total = sum(one[k] for k in keys)
         for rank, mem in enumerate(two):
-            print(f"{case}: rank {rank} of 2 holds {mem} bytes ({sum(mem.values()) / total:.3f} of one process's "
-                  f"{one}, {total} bytes): parameters (policy and reference), gradients, AdamW state")
-            for key in one:
+            print(f"{case}: rank {rank} of 2 holds {', '.join(f'{k} {mem[k]:,}' for k in keys)} bytes "
+                  f"({sum(mem[k] for k in keys) / total:.3f} of one process's {total:,}): parameters (policy and "
+                  "reference), gradients, AdamW state")
+            for key in keys:
                 assert abs(mem[key] - one[key] / 2) <= 0.02 * one[key] + 64, (case, key, mem, one)
 
 
@@ -137,8 +139,7 @@ def test_a_killed_two_rank_run_resumes_exactly(tmp_path, tiny_arch):
 # ---- bad input: one line ----
 
 @pytest.mark.parametrize("overrides,says", [
-    (["model=tabular", "experiment=tabular"], "needs model=hf"),
-    ([], "needs model=hf"),  # the embedded default
+    (["experiment=tabular"], "model=tabular is a table of logits"),
     (["model=hf", "model.name_or_path=x", "task.prompts_per_step=3"], "does not divide it"),
     (["model=hf", "model.name_or_path=x", "hardware.devices=auto"], "number of ranks"),
 ])

@@ -527,9 +527,9 @@ def _check_fsdp(cfg: DictConfig, hw: Hardware, task, model: str) -> None:
     the machine's are checked with torch (klbench.tasks.sharding.check_devices)."""
     if hw.strategy != "fsdp2":
         return
-    if model != "hf":
-        raise ConfigError(f"hardware=fsdp shards a transformers model's decoder layers and needs model=hf (a "
-                          f"Llama-architecture folder, ...), got model.kind={model}: use hardware=ddp or hardware=cpu")
+    if model == "tabular":
+        raise ConfigError("hardware=fsdp shards a language model's decoder layers, and model=tabular is a table of "
+                          "logits: use hardware=cpu or hardware=ddp")
     if task.name not in ("rl", "distill"):
         raise ConfigError(f"hardware=fsdp shards a training run (task=rl or task=distill), got task={task.name}")
     if not (_is_int(hw.devices) and hw.devices >= 1 or isinstance(hw.devices, list)):
