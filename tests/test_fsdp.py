@@ -134,6 +134,11 @@ def test_a_killed_two_rank_run_resumes_exactly(tmp_path, tiny_arch):
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     a, b = _final(straight), _final(resumed)
     assert a and a == b, (a, b, step)
+    # another number of ranks would continue other random streams: refused in one line
+    other = _klbench(tmp_path / "b", pair, "hardware.devices=1", "task.max_steps=8", "ckpt_path=last",
+                     "ckpt_allow_changes=[task.max_steps]")
+    said = [line for line in (other.stdout + other.stderr).splitlines() if "was saved by 2 hardware=fsdp ranks" in line]
+    assert other.returncode != 0 and said and "this run has 1" in said[0], other.stdout[-2000:] + other.stderr[-2000:]
 
 
 # ---- bad input: one line ----
