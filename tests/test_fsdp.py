@@ -117,6 +117,28 @@ def test_a_two_rank_run_trains_on_a_llama_folder(tmp_path, tiny_arch):
 
 
 @pytest.mark.slow
+def test_bf16_mixed_keeps_float32_shards(tmp_path, tiny_arch):
+    # hardware.precision=bf16-mixed under fsdp: FSDP2's MixedPrecisionPolicy computes in bfloat16 and keeps float32
+    # shards (what AdamW updates and the checkpoint holds)
+    proc = _klbench(tmp_path, tiny_arch("llama"), "task.max_steps=2", "hardware.precision=bf16-mixed")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert {v.dtype for v in ckpt["state_dict"].values()} == {torch.float32}
+    assert _final(proc)["val/seq_kl"] > 0
+
+
+@pytest.mark.slow
+def test_the_embedded_default_trains_on_two_ranks(tmp_path):
+    # the embedded GPT-2 (tied input and output embeddings, klbench's own decode step) shards as an HF folder does
+    args = [str(Path(sys.executable).with_name("klbench")), "hardware=fsdp", "hardware.devices=2",
+            "hardware.accelerator=cpu", "task.max_steps=4", "task.val_every=2", "logger=none",
+            f"paths.outputs={tmp_path / 'outputs'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert _final(proc)["val/seq_kl"] > 0
+
+
+@pytest.mark.slow
 def test_a_killed_two_rank_run_resumes_exactly(tmp_path, tiny_arch):
     pair = tiny_arch("llama")
     straight = _klbench(tmp_path / "a", pair, "task.max_steps=6")
