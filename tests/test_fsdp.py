@@ -26,6 +26,8 @@ CASES = {
     "distill_vopd": ["task=distill", "reward=none", "estimator=vopd", "estimator.beta=1.0", "model@teacher=hf",
                      "teacher.name_or_path={teacher}"],
     "lora_rb": ["model.lora.r=4", "estimator=rb", "estimator.beta=0.5"],  # the reference is the policy's base
+    # a truncating sampler scores through the [B, T, V] logits: the models' own forwards, no head read outside
+    "logits_path_rb": ["model.ref_name_or_path={teacher}", "task.top_k=20", "estimator=rb", "estimator.beta=0.5"],
 }
 
 
@@ -169,6 +171,7 @@ def test_a_killed_two_rank_run_resumes_exactly(tmp_path, tiny_arch):
     (["experiment=tabular"], "model=tabular is a table of logits"),
     (["model=hf", "model.name_or_path=x", "task.prompts_per_step=3"], "does not divide it"),
     (["model=hf", "model.name_or_path=x", "hardware.devices=auto"], "number of ranks"),
+    (["model=hf", "model.name_or_path=x", "task.probe_every=10"], "task.probe_every=10 probes on one rank"),
 ])
 def test_refusals_in_one_line(tmp_path, overrides, says):
     with pytest.raises(ConfigError) as e:

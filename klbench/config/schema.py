@@ -532,6 +532,9 @@ def _check_fsdp(cfg: DictConfig, hw: Hardware, task, model: str) -> None:
                           "logits: use hardware=cpu or hardware=ddp")
     if task.name not in ("rl", "distill"):
         raise ConfigError(f"hardware=fsdp shards a training run (task=rl or task=distill), got task={task.name}")
+    if task.probe_every:  # the probe runs on rank 0 alone, and a sharded forward needs every rank
+        raise ConfigError(f"task.probe_every={task.probe_every} probes on one rank, and hardware=fsdp's models need "
+                          "every rank for a forward: drop it (task.probe_every=null) or probe a checkpoint with task=probe")
     if not (_is_int(hw.devices) and hw.devices >= 1 or isinstance(hw.devices, list)):
         raise ConfigError(f"hardware=fsdp needs hardware.devices as a number of ranks, got {hw.devices}")
     world = (len(hw.devices) if isinstance(hw.devices, list) else hw.devices) * hw.num_nodes
