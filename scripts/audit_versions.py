@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from klbench.libraries.versions import markdown  # noqa: E402
 
-# the last three minor releases of each that install here, newest first (TRL 1.13 too: before the KL default moved)
-RELEASES = ["trl==1.16.0", "trl==1.15.0", "trl==1.14.2", "trl==1.13.0", "verl==0.9.1", "verl==0.8.0", "verl==0.7.1",
-            "skyrl==0.4.0"]
+# the last three minor releases of each that install here, and TRL 1.9.2 / 1.10.0 on either side of the switch of
+# use_bias_correction_kl's default (False -> True in 1.10.0, read from the wheels' grpo_config.py)
+RELEASES = ["trl==1.16.0", "trl==1.15.0", "trl==1.14.2", "trl==1.10.0", "trl==1.9.2", "verl==0.9.1", "verl==0.8.0",
+            "verl==0.7.1", "skyrl==0.4.0"]
 INSTALL_TIMEOUT, AUDIT_TIMEOUT = 300, 600
 MARK = "## Versions over time"
 

@@ -79,9 +79,12 @@ def _grpo_trainer(GRPOTrainer, GRPOConfig, overrides: dict, accelerator):
     t.epsilon_low = args.epsilon
     t.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     t.max_completion_length = args.max_completion_length
-    t.top_entropy_quantile, t.off_policy_mask_threshold = args.top_entropy_quantile, args.off_policy_mask_threshold
+    # options an older release lacks take their off value (scripts/audit_versions.py runs this on older TRLs)
+    t.top_entropy_quantile = getattr(args, "top_entropy_quantile", 1.0)
+    t.off_policy_mask_threshold = getattr(args, "off_policy_mask_threshold", None)
     t.use_vllm, t.vllm_importance_sampling_correction = args.use_vllm, args.vllm_importance_sampling_correction
-    t.entropy_coef, t.use_adaptive_entropy = args.entropy_coef, args.use_adaptive_entropy
+    t.entropy_coef = getattr(args, "entropy_coef", 0.0)
+    t.use_adaptive_entropy = getattr(args, "use_adaptive_entropy", False)
     t._entropy_bonus_enabled = t.entropy_coef != 0.0 or t.use_adaptive_entropy
     t.aux_loss_enabled = False
     t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -262,7 +265,8 @@ def load() -> Library:
             name, loss, grpo_src, f"_compute_loss per sequence, loss_type={a.loss_type}",
             f"beta={a.beta}, use_bias_correction_kl={a.use_bias_correction_kl}, "
             f"importance_sampling_level={a.importance_sampling_level}",
-            scored=_scored_grpo(unstubbed, add_fused_lm_head) if add_fused_lm_head else None, divides_by_t=divides)
+            scored=_scored_grpo(unstubbed, add_fused_lm_head) if add_fused_lm_head else None,
+            divides_by_t=divides)
     for name, over in RLOO_SETTINGS.items():
         trainer = _rloo_trainer(RLOOTrainer, RLOOConfig, over, acc)
         trainers.append(trainer)
@@ -282,12 +286,15 @@ def load() -> Library:
         trainers.append(unstubbed)
         lib.settings[name] = Setting(
             name, loss, rloo_src, "_compute_loss per sequence (sequence ratio, PPO clip); KL in the reward",
-            f"beta={a.beta}, epsilon={a.epsilon}", scored=_scored_rloo(unstubbed, add_fused_lm_head) if add_fused_lm_head else None,
-            divides_by_t=rloo_divides)
+            f"beta={a.beta}, epsilon={a.epsilon}",
+            scored=_scored_rloo(unstubbed, add_fused_lm_head) if add_fused_lm_head else None, divides_by_t=rloo_divides)
     acc = _accelerator()
     for t in trainers:
         t.accelerator = acc
-    _distill_settings(lib)
+    try:  # DistillationTrainer is new in 1.10: older releases audit without it (scripts/audit_versions.py)
+        _distill_settings(lib)
+    except ImportError:
+        pass
     return lib
 
 

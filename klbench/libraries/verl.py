@@ -163,7 +163,10 @@ def load() -> Library:
             "in the reward on old_log_probs (as ray_trainer.apply_kl_penalty); return-to-go REINFORCE (klbench's)",
             "use_kl_in_reward=True, kl_penalty=" + kind + (" (default)" if kind == "kl" else ""),
             scored=score and rescored(reward_loss, score), divides_by_t=divides)
-    _distill_settings(lib, ActorConfig)
+    try:  # verl.trainer.distillation is new in 0.8: older releases audit without it (scripts/audit_versions.py)
+        _distill_settings(lib, ActorConfig)
+    except ImportError:
+        pass
     return lib
 
 
