@@ -65,7 +65,8 @@ def own_rows(columns: list[str] | None = None) -> list[Row]:
         for how, loss in feeds:
             row = Row(name, "klbench", how)
             for c in columns:  # loo needs two samples per prompt
-                row.verdicts[c] = verdict(loss, None if c == "none" else AXIS[c], "kl_loss", n=2 if name == "loo" else 1)
+                m = None if c == "none" else AXIS[c]
+                row.verdicts[c] = verdict(loss, m, "kl_loss", n=2 if name == "loo" else 1)
             out.append(row)
     return out
 
@@ -125,9 +126,9 @@ def compact(rows: list[Row]) -> list[str]:
 PROSE = """
 ## Reading the tables
 
-- A KL term that reads `kl_pi_ref` under a mismatch regularises KL(pi || pi_ref) whatever the sampler did; `partial_...@old`
-  is the prefix-fixed gradient with pi_s's prefixes; "none of the above (off x)" follows no KL gradient, x its relative
-  distance from grad KL(pi || pi_ref). A PG term that reads `pg` is fully corrected, `token_is_pg` per token only,
+- A KL term that reads `kl_pi_ref` under a mismatch regularises KL(pi || pi_ref) whatever the sampler did;
+  `partial_...@old` is the prefix-fixed gradient with pi_s's prefixes; "none of the above (off x)" follows no KL
+  gradient, x its relative distance from grad KL(pi || pi_ref). A PG term that reads `pg` is fully corrected, `token_is_pg` per token only,
   `uncorrected_pg` not at all.
 - `sampler top-p 0.9` cuts support: no importance weight exists for the tokens pi_s never draws, so nothing reads `pg`
   or `kl_pi_ref` there (klbench refuses `task.kl_target=model` under truncation for this reason).

@@ -114,9 +114,10 @@ def trl_top_p_ratio_is_kept_mass() -> Claim:
     pg = audit_mismatch(s.terms["pg"], m, "pg", tol=TOL)
     c.rows.append((f"`{s.name}`, {m.describe()}: policy-gradient term", _cell(pg, "pg")))
     c.holds = worst < 1e-9
-    c.consequence = ("the ratio is exactly Z_t: the correction multiplies each token's gradient by the kept mass and "
-                     "cannot restore the cut tokens (no weight exists for tokens pi_s never draws), so the corrected PG "
-                     "is biased under top-p" if c.holds else "the ratio is not the kept mass in this release")
+    c.consequence = ("the ratio is exactly Z_t: the correction multiplies each token's gradient by the kept mass "
+                     "and cannot restore the cut tokens (no weight exists for tokens pi_s never draws), so the "
+                     "corrected PG is biased under top-p" if c.holds else
+                     "the ratio is not the kept mass in this release")
     return c
 
 

@@ -114,7 +114,7 @@ def markdown(results: list[dict], failures: list[str]) -> list[str]:
 def _bold_changes(vals: list[str]) -> list[str]:
     """Bold a verdict that differs from the release before; an adapter's failure ('raised') is no verdict."""
     def changed(i):
-        return i and vals[i] != vals[i - 1] and not vals[i].startswith("raised") and not vals[i - 1].startswith("raised")
+        return i and vals[i] != vals[i - 1] and not any(v.startswith("raised") for v in vals[i - 1:i + 1])
     return [f"**{v}**" if changed(i) else v for i, v in enumerate(vals)]
 
 
