@@ -128,8 +128,8 @@ PROSE = """
 
 - A KL term that reads `kl_pi_ref` under a mismatch regularises KL(pi || pi_ref) whatever the sampler did;
   `partial_...@old` is the prefix-fixed gradient with pi_s's prefixes; "none of the above (off x)" follows no KL
-  gradient, x its relative distance from grad KL(pi || pi_ref). A PG term that reads `pg` is fully corrected, `token_is_pg` per token only,
-  `uncorrected_pg` not at all.
+  gradient, x its relative distance from grad KL(pi || pi_ref). A PG term that reads `pg` is fully corrected,
+  `token_is_pg` per token only, `uncorrected_pg` not at all.
 - `sampler top-p 0.9` cuts support: no importance weight exists for the tokens pi_s never draws, so nothing reads `pg`
   or `kl_pi_ref` there (klbench refuses `task.kl_target=model` under truncation for this reason).
 - Every library's KL in the loss is computed on pi's own log-probs of pi_s's samples with no weight for the
