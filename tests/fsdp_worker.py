@@ -55,6 +55,8 @@ def step(rank: int, world: int, out: str, overrides: list[str]) -> None:
         dist.all_reduce(value)
         value /= world
     grads = {n: _whole(p.grad) for n, p in policy.model.named_parameters() if p.grad is not None}
+    from klbench.tasks.sharding import grad_norm
+    norm = float(grad_norm(policy))  # train/grad_norm: Lightning's in one process, from the shards on several
     opt = torch.optim.AdamW(policy.trainable(), lr=1e-3)
     opt.step()  # allocates AdamW's two moments
     mem = memory_per_rank(task, opt)
@@ -66,7 +68,7 @@ def step(rank: int, world: int, out: str, overrides: list[str]) -> None:
     else:
         mems = [mem]
     if rank == 0:
-        torch.save({"same_rollout": same, "loss": float(value), "grads": grads, "memory": mems, "rows": B}, out)
+        torch.save({"same_rollout": same, "loss": float(value), "grad_norm": norm, "grads": grads, "memory": mems, "rows": B}, out)
 
 
 def _whole(g):
