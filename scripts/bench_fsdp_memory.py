@@ -40,8 +40,9 @@ def main() -> None:
     rows = {}
     for world in (1, a.ranks):
         out = os.path.join(root, f"w{world}.pt")
-        subprocess.run([sys.executable, str(ROOT / "tests" / "fsdp_worker.py"), str(world), " ".join([out, *overrides])],
-                       check=True, env=env, cwd=root, stdout=subprocess.DEVNULL)
+        worker = str(ROOT / "tests" / "fsdp_worker.py")
+        subprocess.run([sys.executable, worker, str(world), " ".join([out, *overrides])], check=True, env=env, cwd=root,
+                       stdout=subprocess.DEVNULL)
         rows[world] = torch.load(out)["memory"]
     mib = 2 ** 20
     print(f"hidden {a.hidden}, {a.layers} layers, vocabulary {a.vocab}; policy and reference, float32, AdamW")

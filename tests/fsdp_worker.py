@@ -68,7 +68,8 @@ def step(rank: int, world: int, out: str, overrides: list[str]) -> None:
     else:
         mems = [mem]
     if rank == 0:
-        torch.save({"same_rollout": same, "loss": float(value), "grad_norm": norm, "grads": grads, "memory": mems, "rows": B}, out)
+        torch.save({"same_rollout": same, "loss": float(value), "grad_norm": norm, "grads": grads, "memory": mems,
+                    "rows": B}, out)
 
 
 def _whole(g):

@@ -66,7 +66,8 @@ def test_two_ranks_give_one_process_loss_and_gradients(one_and_two, case):
     assert set(one["grads"]) == set(two["grads"]) and one["grads"]
     norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in one["grads"].values())))
     assert norm > 1e-3  # a real gradient
-    assert abs(one["grad_norm"] - norm) <= 1e-4 * norm and abs(two["grad_norm"] - norm) <= 1e-4 * norm  # train/grad_norm
+    for logged in (one["grad_norm"], two["grad_norm"]):  # train/grad_norm: Lightning's, and from the shards
+        assert abs(logged - norm) <= 1e-4 * norm
     for name, g in one["grads"].items():
         gap = float((g - two["grads"][name]).abs().max())
         assert gap <= 1e-6 * norm + 1e-6 * float(g.abs().max()), (name, gap, norm)

@@ -1,13 +1,13 @@
 """hardware=fsdp: FSDP2 through Lightning's ModelParallelStrategy (the models' side: klbench/models/fsdp.py).
 
-    strategy, precision = trainer_arguments(cfg.hardware)   # klbench.tasks.train.build_trainer
-    configure_model(task)                                   # RLTask.configure_model: shards the policy's models
+    pl.Trainer(..., **trainer_arguments(cfg.hardware))   # klbench.tasks.train.build_trainer
+    configure_model(task)                                # RLTask.configure_model: shards the policy's models
 
 Every rank holds a 1/world shard of the policy, its gradients and AdamW's state, and of the reference. The run is
 the same experiment whatever the number of ranks: task.prompts_per_step is the step's global batch, split evenly
-(FSDP2Strategy.batch_to_device), and each prompt's samples stay on one rank (their group baselines are exact). Gradients are
-averaged over ranks by FSDP's reduce-scatter, which is the global batch's gradient for every loss that is a mean
-over sequences (the default task.loss_agg=seq_sum; token_mean normalises by each rank's own token count).
+(FSDP2Strategy.batch_to_device), and each prompt's samples stay on one rank (their group baselines are exact).
+Gradients are averaged over ranks by FSDP's reduce-scatter, which is the global batch's gradient for every loss
+that is a mean over sequences (the default task.loss_agg=seq_sum; token_mean normalises by each rank's own token count).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ STRATEGY = "fsdp2"  # conf/hardware/fsdp.yaml's hardware.strategy: Lightning's o
 class FSDP2Strategy(ModelParallelStrategy):
     """ModelParallelStrategy as pure FSDP2 over every rank (no tensor parallelism), carrying the mixed-precision
     policy configure_model applies. Checkpoints are whole (save_distributed_checkpoint=False): gathered through
-    torch.distributed.checkpoint's state-dict API on rank 0 into one file, which klbench's resume checks read and
-    any number of ranks can load."""
+    torch.distributed.checkpoint's state-dict API on rank 0 into one file, which klbench's resume checks read, with
+    every rank's RNG state: an exact resume needs as many ranks (load_checkpoint refuses others in one line)."""
 
     def __init__(self, world: int, mp_policy):
         super().__init__(data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False)
