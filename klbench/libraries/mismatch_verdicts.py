@@ -39,7 +39,7 @@ def _setting(lib: str, name: str):
 
 
 def trl_ratio_not_on_kl() -> Claim:
-    c = Claim("TRL's vLLM importance-sampling ratio corrects the policy gradient, not the KL", "issue 44 (TRL 1.16)",
+    c = Claim("TRL's vLLM importance-sampling ratio corrects the policy gradient, not the KL", "TRL 1.16, issue 44",
               "The vLLM importance-sampling ratio multiplies the policy-gradient term only; beta * per_token_kl is "
               "added after it, uncorrected.")
     from trl import GRPOTrainer
@@ -61,7 +61,7 @@ def trl_ratio_not_on_kl() -> Claim:
 
 
 def verl_bypass_feeds_rollout_logprobs() -> Claim:
-    c = Claim("verl's bypass mode charges the inference engine's log-probs in the KL-in-reward", "issue 44 (verl)",
+    c = Claim("verl's bypass mode charges the inference engine's log-probs in the KL-in-reward", "verl 0.9.1, issue 44",
               "In bypass mode old_log_probs := rollout_log_probs, and the KL in the reward is computed on "
               "old_log_probs: the reward's KL is the sampler's, not the trainer's.")
     from verl.trainer.ppo import rollout_corr_helper as rch
