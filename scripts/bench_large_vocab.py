@@ -39,6 +39,10 @@ work, steps, prompts, samples, log, *overrides = sys.argv[1:]
 steps, prompts, samples = int(steps), int(prompts), int(samples)
 cfg = compose(overrides, outputs=work + "/outputs", run_dir=work + "/run")
 policy = build_policy(cfg.model, cfg.task.max_new_tokens)
+with torch.no_grad():  # pi != pi_ref (the steps take no optimizer step): every estimator's gradient is non-zero
+    g = torch.Generator().manual_seed(1)
+    for p in policy.trainable():
+        p.add_(0.02 * torch.randn(p.shape, generator=g))
 task = build_task(cfg, policy, None)
 logged = {}
 task.metrics_read = log == "log"      # no trainer here: the train/ metrics are computed, then kept in a dict
@@ -96,6 +100,10 @@ rounds, prompts, samples, estimators = int(rounds), int(prompts), int(samples), 
 cfgs = {e: compose([*overrides, f"estimator={e}"], outputs=f"{work}/outputs-{e}", run_dir=f"{work}/run-{e}")
         for e in estimators}
 policy = build_policy(cfgs[estimators[0]].model, cfgs[estimators[0]].task.max_new_tokens)
+with torch.no_grad():  # pi != pi_ref (the steps take no optimizer step): every estimator's gradient is non-zero
+    g = torch.Generator().manual_seed(1)
+    for p in policy.trainable():
+        p.add_(0.02 * torch.randn(p.shape, generator=g))
 tasks = {e: build_task(c, policy, None) for e, c in cfgs.items()}
 for t in tasks.values():
     t.metrics_read = True
@@ -178,8 +186,9 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench-vocab-")
     model = os.path.join(root, "model")
     build(model, a.vocab, a.tokens + 64)
-    # a separate pi_ref folder would double the load; the policy's own starting point is pi_ref, and one
-    # training step moves it (the steps score a fixed rollout, so what they compute does not change)
+    # a separate pi_ref folder would double the load; the policy's own starting point is pi_ref, moved by a fixed
+    # noise in each process (the steps take no optimizer step: at pi = pi_ref loo's gradient would be exactly zero,
+    # and the hidden-state path skips a backward whose upstream gradient is zero)
     common = ["model=hf", f"model.name_or_path={model}", "reward=none", "task.reward_coef=0",
               f"task.max_new_tokens={a.tokens}", f"task.prompts_per_step={a.prompts}", f"task.n_samples={a.samples}",
               "task.log_every=1", "dataset=embedded"]
