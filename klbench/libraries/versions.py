@@ -98,6 +98,7 @@ def markdown(results: list[dict], failures: list[str]) -> list[str]:
             vals = [r["defaults"].get(k, "-") for r in rs]
             lines.append(f"| default `{k}` | " + " | ".join(_bold_changes(vals)) + " |")
         settings = list(dict.fromkeys(c["setting"] for r in rs for c in r["cells"] if c["policy"] != "-"))
+        changes = []
         for s in settings:
             vals = []
             for r in rs:
@@ -105,6 +106,10 @@ def markdown(results: list[dict], failures: list[str]) -> list[str]:
                 off = next((c["match"] for c in r["cells"] if c["setting"] == s and c["policy"] == "off"), "-")
                 vals.append(f"{on} / {off}" if not on.startswith("raised") else on[:60])
             lines.append(f"| `{s}` | " + " | ".join(_bold_changes(vals)) + " |")
+            changes += [f"- `{s}` in {versions[i]}: {vals[i - 1]} -> {vals[i]}"
+                        for i, b in enumerate(_bold_changes(vals)) if b.startswith("**")]
+        lines += ["", f"Where {lib}'s KL gradient changed (on / off-policy, the release it changed in):", ""]
+        lines += changes or ["- nowhere among these releases"]
         lines.append("")
     if failures:
         lines += ["Not audited:", ""] + [f"- {f}" for f in failures] + [""]
@@ -113,8 +118,9 @@ def markdown(results: list[dict], failures: list[str]) -> list[str]:
 
 def _bold_changes(vals: list[str]) -> list[str]:
     """Bold a verdict that differs from the release before; an adapter's failure ('raised') is no verdict."""
-    def changed(i):
-        return i and vals[i] != vals[i - 1] and not any(v.startswith("raised") for v in vals[i - 1:i + 1])
+    def changed(i):  # "- / -": the setting is absent from that release
+        pair = vals[i - 1:i + 1]
+        return i and vals[i] != vals[i - 1] and not any(v.startswith("raised") or v == "- / -" for v in pair)
     return [f"**{v}**" if changed(i) else v for i, v in enumerate(vals)]
 
 
