@@ -153,14 +153,19 @@ The RL task logs it as `train/mismatch_*` beside `train/logp_gap_*` (klbench/tas
 
 ## `task.behaviour` (design)
 
-Which log-probs a batch's behaviour policy carries at `task.kl_target=model`: `scorer` (today's: the scoring pass's
-log pi_s, what `target_batch` computes when no `behaviour_logp` is given) or `sampler` (the rollout's own
-`Rollout.sample_logp`, passed as `target_batch(..., behaviour_logp=ro.sample_logp)`, as a vLLM pipeline would send
-them). The table above is its exact effect: with `sampler`, `rb` follows grad KL(pi || pi_ref) under every mismatch
-that keeps support; with `scorer` the mismatch is invisible to every estimator (the "ignored" rows). A shape or
-mask that disagrees is refused by KLBatch in one line naming both shapes; on a model without exact truth a mismatch
-setting is refused in one line (`Mismatch.sampler_table`). Wiring it needs the config schema, the scoring and the
-RL task, which this change does not edit.
+Which log-probs a batch's behaviour policy carries at `task.kl_target=model`. Today it is `sampler` wherever the
+rollout kept its own log-probs: klbench/models/scoring.py passes `behaviour_logp=sub.sample_logp` to `target_batch`
+(the logits path, which `model` off plain sampling always takes), else the scorer's recomputation. The option would
+name the choice: `sampler` (`Rollout.sample_logp`, as a vLLM pipeline sends them) or `scorer`
+(`behaviour_logp=None`: `target_batch` recomputes log pi_s from the trainer's logits, which hides the mismatch). The
+table above is its exact effect: with `sampler`, `rb` follows grad KL(pi || pi_ref) under every mismatch that keeps
+support; with `scorer` the mismatch is invisible to every estimator (the "ignored" rows). A shape or mask that
+disagrees is refused by KLBatch in one line naming both shapes; on a model without exact truth a mismatch
+setting is refused in one line (`Mismatch.sampler_table`). At plain sampling (T 1, no cut) `target_batch` drops
+`behaviour_logp` (klbench/estimators/sampling.py, `if target == "model" and not sampling.is_plain:`), so a
+T = 1 run never sees its engine's mismatch: `behaviour=sampler` needs that test to read
+`if target == "model" and (not sampling.is_plain or behaviour_logp is not None):`. Wiring the option needs the
+config schema, the scoring, sampling.py and the RL task, which this change does not edit.
 
 ## Commands
 
