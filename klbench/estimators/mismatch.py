@@ -17,6 +17,11 @@ from __future__ import annotations
 import torch
 
 
+# chi^2 of the sampler against the scorer above which a run's end says so: the samples' effective size is
+# 1 / (1 + chi^2) of their number, so 0.1 loses about 9% of it
+MISMATCH_CHI2_LARGE = 0.1
+
+
 def mismatch_metrics(sampler_logp: torch.Tensor, scorer_logp: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """0-dim float tensors; sampler_logp, scorer_logp, mask: [B, T] (mask bool: real response tokens)."""

@@ -163,6 +163,9 @@ def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.T
     the batch's ref_logits, after backward. A reference target_pair made (tempered targets) is always given up.
     """
     check_target(sampling, target)
+    if behaviour_logp is not None and behaviour_logp.shape != mask.shape:
+        raise ValueError(f"the behaviour log-probs have shape {tuple(behaviour_logp.shape)}, the batch's mask "
+                         f"{tuple(mask.shape)}: one log-prob per response token is needed")
     pol, ref = target_pair(logits, ref_logits, sampling, target)
     token_kl = None
     if kappa:

@@ -18,6 +18,7 @@ import torch
 
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.advantages import advantage, reward_loss
+from klbench.estimators.mismatch import MISMATCH_CHI2_LARGE, mismatch_metrics
 from klbench.estimators.values import REPORTED as REPORTED_VALUES
 from klbench.tasks.kl_control import build_kl_control
 from klbench.models.policies import Policy, Rollout, has_distributions, token_entropy
@@ -183,6 +184,9 @@ class RLTask(pl.LightningModule):
             gap = (ro.sample_logp.to(slogp.dtype) - slogp.detach())[batch.mask].abs()
             if gap.numel():
                 m["train/logp_gap_max"], m["train/logp_gap_mean"] = gap.max(), gap.mean()
+                # the meter: k1, k3 and chi^2 of pi_s as sampled against pi_s as scored (docs/mismatch.md)
+                m.update({f"train/{k}": v for k, v in
+                          mismatch_metrics(ro.sample_logp.to(slogp.dtype), slogp.detach(), batch.mask).items()})
         m["train/reward"] = reward.mean()
         for key, v in self.judged(ro).items():  # no_answer: how many of the step's responses had none
             m[f"train/{key}"] = v.sum() if key == "no_answer" else v.mean()
@@ -194,6 +198,13 @@ class RLTask(pl.LightningModule):
         if n_clamped is not None:
             m["train/n_clamped"] = float(n_clamped)
         self._log_now(m)
+
+    def on_train_end(self) -> None:
+        chi2 = self.last_logged.get("train/mismatch_chi2")
+        if self.trainer.is_global_zero and chi2 is not None and chi2 > MISMATCH_CHI2_LARGE:
+            print(f"klbench: the sampler and the scorer disagree: train/mismatch_chi2 {chi2:.3g} at the last logged "
+                  f"step (above {MISMATCH_CHI2_LARGE:g}, about {chi2 / (1 + chi2):.0%} of the samples' effective "
+                  f"size lost): docs/mismatch.md")
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.logging_step(self.global_step):
@@ -298,12 +309,15 @@ class RLTask(pl.LightningModule):
         return {k: v for k, v in sd.items() if not k.startswith("policy.ref.") and k not in frozen}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        # every rank's own RNG state (klbench/tasks/sharding.py): ddp's and fsdp's ranks resume their own streams
+        from klbench.tasks.sharding import save_rank_rng
+        save_rank_rng(checkpoint, {"torch": torch.get_rng_state(), "python": random.getstate()})
         checkpoint["kl_ctl"] = self.kl_ctl.state_dict()  # the adapted beta: a resume continues it
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if "rng" in checkpoint:
-            torch.set_rng_state(checkpoint["rng"]["torch"])
-            random.setstate(checkpoint["rng"]["python"])
+        from klbench.tasks.sharding import rank_rng
+        if (rng := rank_rng(checkpoint, self)) is not None:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
         if "kl_ctl" in checkpoint:  # absent from checkpoints made before kl_ctl existed: beta was fixed
             self.kl_ctl.load_state_dict(checkpoint["kl_ctl"])
