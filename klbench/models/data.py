@@ -181,7 +181,7 @@ class PromptData(pl.LightningDataModule):
         # a resumed run starts where the checkpoint's step left its epoch (trainer.global_step is restored
         # before the dataloaders are built), so that it draws the prompts the uninterrupted run drew
         step = self.trainer.global_step if self.trainer is not None else 0
-        sampler = EpochShuffle(len(self.train), self.batch_size, self.seed, step)
+        sampler = EpochShuffle(len(self.train), self.batch_size, self.seed, step, *_rank_and_world(self.trainer))
         # a generator of its own for the iterator's base seed too, which would otherwise come from the global RNG
         # that sampling uses (and a resumed run creates its iterator at another point of that stream)
         return DataLoader(self.train, batch_size=self.batch_size, sampler=sampler, drop_last=True, collate_fn=list,
@@ -195,23 +195,39 @@ class PromptData(pl.LightningDataModule):
         return DataLoader(self.val, batch_size=max(1, min(len(self.val), 16)), collate_fn=list, generator=gen)
 
 
-class EpochShuffle(torch.utils.data.Sampler):
+def _rank_and_world(trainer) -> tuple[int, int]:
+    """This process's share of each epoch: (rank, ranks) of the data-parallel ranks the sampler splits the prompts
+    over (ddp), or (0, 1) in one process and under hardware=fsdp, whose ranks load every batch whole (klbench.tasks.
+    sharding.FSDP2Strategy.whole_batches)."""
+    if trainer is None or getattr(trainer.strategy, "whole_batches", False):
+        return 0, 1
+    kwargs = trainer.distributed_sampler_kwargs or {}
+    return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+
+
+class EpochShuffle(torch.utils.data.DistributedSampler):
     """The order DataLoader(shuffle=True, generator=manual_seed(seed)) gives (the same prompts in the same steps as
     before this sampler existed), but computed from (seed, epoch) alone (its own generator: shuffling never draws from the
     global RNG that sampling uses). From `start_step` on: the first epoch it serves skips the batches that
     step had already taken, so a resume mid-epoch continues the uninterrupted run's prompts exactly.
-    Lightning calls set_epoch with the (restored) epoch before each pass."""
+    Lightning calls set_epoch with the (restored) epoch before each pass.
 
-    def __init__(self, n: int, batch_size: int, seed: int, start_step: int = 0):
-        self.n, self.batch_size, self.seed = n, batch_size, seed
-        per_epoch = n // batch_size  # drop_last: full batches only
+    With `world` ranks (ddp) it serves rank `rank`'s share of each epoch, the one Lightning's DistributedSamplerWrapper
+    gave it (every world-th prompt from the rank's own, the order padded from its start to a multiple of world), and
+    its skip counts that share's batches. A DistributedSampler only so that Lightning does not wrap it again."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, start_step: int = 0, rank: int = 0, world: int = 1):
+        self.n, self.batch_size, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
+        self.num_replicas = world  # DistributedSampler's name for it, should Lightning read it
+        self.share = -(-n // world)  # ceil: the wrapper padded the order to world x share
+        per_epoch = self.share // batch_size  # drop_last: full batches only
         self.epoch, self.skip_epoch, self.skip = 0, start_step // per_epoch, (start_step % per_epoch) * batch_size
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.n
+        return self.share
 
     def __iter__(self):
         gen = torch.Generator().manual_seed(self.seed)
@@ -220,6 +236,7 @@ class EpochShuffle(torch.utils.data.Sampler):
             # seed, then the RandomSampler's permutation (Lightning stops at len(), before its empty tail draw)
             torch.empty((), dtype=torch.int64).random_(generator=gen)
             order = torch.randperm(self.n, generator=gen).tolist()
+        order = (order + order[:self.share * self.world - self.n])[self.rank::self.world]
         if self.epoch == self.skip_epoch and self.skip:
             order, self.skip = order[self.skip:], 0  # once: the resumed epoch's batches already taken
         return iter(order)

@@ -24,7 +24,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     """ModelParallelStrategy as pure FSDP2 over every rank (no tensor parallelism), carrying the mixed-precision
     policy configure_model applies. Checkpoints are whole (save_distributed_checkpoint=False): gathered through
     torch.distributed.checkpoint's state-dict API on rank 0 into one file, which klbench's resume checks read, with
-    every rank's RNG state: an exact resume needs as many ranks (load_checkpoint refuses others in one line)."""
+    every rank's RNG state (save_rank_rng): an exact resume needs as many ranks (rank_rng refuses others)."""
+
+    whole_batches = True  # every rank loads each batch whole (klbench.models.data: no share of the prompts)
 
     def __init__(self, world: int, mp_policy):
         super().__init__(data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False)
@@ -37,27 +39,6 @@ class FSDP2Strategy(ModelParallelStrategy):
             n, r, w = len(batch), self.global_rank, self.world_size
             batch = batch[r * n // w:(r + 1) * n // w]
         return super().batch_to_device(batch, device, dataloader_idx)
-
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        # each rank's own RNG state (RLTask.on_save_checkpoint keeps the saving rank's only): the ranks draw their
-        # rollouts apart, and an exact resume gives each its own stream back
-        if "rng" in checkpoint:
-            ranks = [None] * self.world_size
-            torch.distributed.all_gather_object(ranks, checkpoint["rng"])
-            checkpoint["rng_ranks"] = ranks
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        ranks = checkpoint.get("rng_ranks")
-        if ranks is not None:
-            if len(ranks) != self.world_size:
-                from klbench.record.resume import ResumeError
-                raise ResumeError(f"{checkpoint_path} was saved by {len(ranks)} hardware=fsdp ranks and this run has "
-                                  f"{self.world_size}: each rank's samples continue its own random stream, so an "
-                                  f"exact resume needs hardware.devices x hardware.num_nodes = {len(ranks)}")
-            checkpoint["rng"] = ranks[self.global_rank]  # what RLTask.on_load_checkpoint restores
-        return checkpoint
 
 
 def world_size(hw) -> int:
@@ -82,13 +63,59 @@ def trainer_arguments(hw):
 
 
 def configure_model(task) -> None:
-    """RLTask.configure_model: under hardware=fsdp, shard the policy and the reference over the data-parallel mesh;
-    under any other strategy nothing."""
+    """RLTask.configure_model: every rank but 0 seeds its own random stream (seed_rank); under hardware=fsdp, shard
+    the policy and the reference over the data-parallel mesh."""
     strategy = task.trainer.strategy
+    seed_rank(strategy.global_rank)
     if not isinstance(strategy, FSDP2Strategy):
         return
     from klbench.models.fsdp import shard_policy
     shard_policy(task.policy, strategy.device_mesh["data_parallel"], strategy.mp_policy)
+
+
+def seed_rank(rank: int) -> None:
+    """Rank r > 0 of a multi-process run (ddp, fsdp) draws its own stream, seeded from (seed, r), once the models are
+    built (the same on every rank, from the seed alone) and before a checkpoint restores the streams. Rank 0 keeps
+    the seed's stream, so a one-process run draws what it always drew. Idempotent: Lightning calls configure_model
+    at every fit and validate."""
+    seed = os.environ.get("PL_GLOBAL_SEED")  # pl.seed_everything(cfg.seed) sets it
+    if rank == 0 or seed is None:
+        return
+    import random
+
+    import numpy as np
+    state = np.random.SeedSequence([int(seed), rank]).generate_state(2)
+    torch.manual_seed(int(state[0]))
+    random.seed(int(state[0]))
+    np.random.seed(int(state[1]))
+
+
+def save_rank_rng(checkpoint: dict, rng: dict) -> None:
+    """RLTask.on_save_checkpoint, on every rank: checkpoint["rng"] is this rank's RNG state, and with several ranks
+    checkpoint["rng_ranks"] every rank's (all-gathered; rank 0 writes the file): the ranks draw their rollouts
+    apart, and an exact resume gives each its own stream back."""
+    checkpoint["rng"] = rng
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, rng)
+        checkpoint["rng_ranks"] = ranks
+
+
+def rank_rng(checkpoint: dict, task) -> dict | None:
+    """RLTask.on_load_checkpoint: the RNG state this rank resumes from. A checkpoint of several ranks gives each
+    its own and refuses another number of ranks in one line; one without rng_ranks (one process's, or of several
+    ranks before they were kept) gives its "rng" to every rank."""
+    ranks = checkpoint.get("rng_ranks")
+    if ranks is None:
+        return checkpoint.get("rng")
+    trainer = task.trainer
+    if len(ranks) != trainer.world_size:
+        from klbench.record.resume import ResumeError
+        kind = "hardware=fsdp" if isinstance(trainer.strategy, FSDP2Strategy) else "hardware=ddp"
+        raise ResumeError(f"{trainer.ckpt_path} was saved by {len(ranks)} {kind} ranks and this run has "
+                          f"{trainer.world_size}: each rank's samples continue its own random stream, so an "
+                          f"exact resume needs hardware.devices x hardware.num_nodes = {len(ranks)}")
+    return ranks[trainer.global_rank]
 
 
 def check_devices(hw) -> None:
