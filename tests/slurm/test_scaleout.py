@@ -266,3 +266,39 @@ def test_ddp_trial_through_srun(slurm_cluster, tmp_path):
     assert (folder / f"{job}_1_result.pkl").is_file()
     straight = straight_run(out, *task, *ddp)  # the 2-process local DDP run of the same config
     assert {k: kid.data.metrics[k] for k in straight} == pytest.approx(straight, rel=1e-6)
+
+
+# ---- 6. hardware=fsdp through srun (issue 45 item 5) ----
+
+def test_fsdp_trial_through_srun(slurm_cluster, tmp_path, tiny_arch):
+    """One hardware=fsdp trial on a tiny Llama folder as 2 srun tasks: Lightning's SLURMEnvironment gives the
+    FSDP2 strategy its ranks; one MLflow run, with the metrics of the 2-rank local run of the same config."""
+    policy, ref = tiny_arch("llama")
+    out = tmp_path / "outputs"
+    fsdp = ["hardware=fsdp", "hardware.accelerator=cpu", "hardware.devices=2"]
+    trial = ["model=hf", f"model.name_or_path={policy}", f"model.ref_name_or_path={ref}", "estimator=naive_mc",
+             "task.prompts_per_step=4", "task.n_samples=2", "task.max_new_tokens=8", "task.val_prompts=4",
+             "task.max_steps=4", "task.val_every=2"]
+    klbench(out, "-m", "sweep=rl_beta", *trial, *fsdp, ONE_BETA, "hydra.sweeper.n_trials=1", *SLURM,
+            "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5")
+    import optuna
+    (name,) = optuna.get_all_study_names(f"sqlite:///{out}/optuna.db")
+    st = study(out, name)
+    assert states(st) == ["COMPLETE"]
+    c = client(out)
+    (kid,) = kids(c, st.user_attrs["klbench.mlflow_parent_run_id"])  # one run for the two ranks
+    assert kid.info.status == "FINISHED"
+    assert kid.data.params["hardware.strategy"] == "fsdp2"
+    job = kid.data.tags["klbench.slurm_job"]
+    folder = Path(kid.data.tags["klbench.run_dir"]).parent / ".submitit" / job
+    tasks = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,NTasks"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert f"{job}.0|2" in tasks, tasks  # srun ran the trial as 2 tasks
+    assert (folder / f"{job}_1_result.pkl").is_file()  # and rank 1 finished too
+    val = [m.step for m in c.get_metric_history(kid.info.run_id, "val/seq_kl")]
+    assert val == [0, 2, 4] and kid.data.metrics["val/seq_kl"] > 0
+    # the same trial as 2 local ranks (Lightning starts rank 1): the same metrics
+    klbench(out, *trial, *fsdp, "estimator.beta=0.1", "logger.experiment=straight")
+    (run,) = c.search_runs([c.get_experiment_by_name("straight").experiment_id], max_results=1)
+    straight = {k: v for k, v in run.data.metrics.items() if k.startswith("val/")}
+    assert straight and {k: kid.data.metrics[k] for k in straight} == pytest.approx(straight, rel=1e-6)
