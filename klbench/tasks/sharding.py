@@ -95,9 +95,10 @@ def save_rank_rng(checkpoint: dict, rng: dict) -> None:
     checkpoint["rng_ranks"] every rank's (all-gathered; rank 0 writes the file): the ranks draw their rollouts
     apart, and an exact resume gives each its own stream back."""
     checkpoint["rng"] = rng
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        ranks = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(ranks, rng)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, rng)
         checkpoint["rng_ranks"] = ranks
 
 
