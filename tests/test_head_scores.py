@@ -33,7 +33,8 @@ def test_head_scores_equal_the_unfused_formula_in_float64(monkeypatch, cap, scal
     w = (3 * torch.randn(V, H, generator=g, dtype=torch.float64)).requires_grad_()
     b = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)
     h_ref = torch.randn(N, H + 2, generator=g, dtype=torch.float64)
-    ref = LMHead(3 * torch.randn(V, H + 2, generator=g, dtype=torch.float64), None, scale, cap, temperature)
+    ref = LMHead(3 * torch.randn(V, H + 2, generator=g, dtype=torch.float64),
+                 torch.randn(V, generator=g, dtype=torch.float64), scale, cap, temperature)
     head, y = LMHead(w, b, scale, cap, temperature), torch.randint(0, V, (N,), generator=g)
     s = head_scores(h, head, y, h_ref, ref, kappa=True)
     want = _unfused(h, head, y, h_ref, ref)

@@ -213,6 +213,8 @@ class _HeadScores(torch.autograd.Function):
         c = (c * w).to(acc).unsqueeze(-1)  # [N, 1]
         k_k = None if g_k is None else (g_k[:, 0].double() * w).to(acc).unsqueeze(-1)  # [N, 1]
         k_e = None if g_e is None else (g_e[:, 0].double() * w).to(acc).unsqueeze(-1)  # [N, 1]
+        linear_ref = not ref_head.softcap and cd == acc  # r = s_r (h_ref W_r^T + b_r), s_r a number
+        s_r = ref_head.scale / ref_head.temperature
         with torch.autocast(h.device.type, enabled=False):
             gh = torch.zeros(h.shape, dtype=acc, device=h.device) if grads_of[0] else None  # [N, H]
             gw = torch.zeros(head.weight.shape, dtype=acc, device=h.device) if grads_of[1] else None  # [V, H]
@@ -227,13 +229,22 @@ class _HeadScores(torch.autograd.Function):
                     if g_l is not None:
                         inside, col = _in_tile(tokens[rows], v0, v1)
                         one = g_l[rows] * inside.unsqueeze(-1) * _dz_da(z.gather(-1, col), head)  # [r, 1]
-                    d = None
-                    if g_k is not None:  # g_k (z - r) + the row's constant c (above)
-                        d = _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc)
-                        d = torch.sub(z, d, out=d).mul_(k_k[rows])
-                    if g_e is not None:  # - g_e z
-                        d = z * -k_e[rows] if d is None else d.sub_(z * k_e[rows])
-                    d = c[rows] if d is None else d.add_(c[rows])
+                    # d = k_k (z - r) - k_e z + c. z - r is written by the reference's own product where its
+                    # logits are linear in its hidden states (no softcap, one dtype): z + (-s_r h_ref) W_r^T, one
+                    # rounding, as a subtraction of the two tiles would give, without a tile of r
+                    if g_k is None:
+                        d = c[rows] if g_e is None else torch.addcmul(c[rows], z, k_e[rows], value=-1)
+                    else:
+                        if linear_ref:
+                            d = torch.addmm(z, h_ref[r0:r1] * -s_r, ref_head.weight[v0:v1].t())  # [r, vb] z - r
+                            if ref_head.bias is not None:
+                                d.sub_(ref_head.bias[v0:v1] * s_r)
+                        else:
+                            d = _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc)
+                            d = torch.sub(z, d, out=d)
+                        d = torch.addcmul(c[rows], d, k_k[rows], out=d)  # k_k (z - r) + c, in place
+                        if g_e is not None:
+                            d.addcmul_(z, k_e[rows], value=-1)
                     ga = z.sub_(m[rows].unsqueeze(-1)).exp_().mul_(d)  # exp(z - m) d = p (the brackets)
                     if not (isinstance(dz, float) and dz == 1):
                         ga.mul_(dz)
