@@ -21,12 +21,12 @@ from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.estimators import KLBatch
 from klbench.estimators.chunked import exact_token_entropy
 from klbench.console import messages as console
-from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target, target_batch, token_logprob
+from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target, token_logprob
 from klbench.config.errors import ConfigError
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward
 from klbench.models.head import read_head
 from klbench.models.scoring import ScoredBatch, Scoring, WholeBatch
-from klbench.models.rollout import PLAIN, SAMPLERS, Sampler, attention_backends, position_ids_from_mask, stop_ids
+from klbench.models.rollout import PLAIN, SAMPLERS, Sampler, stop_ids
 
 
 

@@ -131,7 +131,7 @@ class Scoring:
     def _context(self) -> ScoredBatch:
         """Every row's detached scores for what a loss reads across sequences: the sampler's own log-probs where
         they are the batch's log-probs (and log pi_s), otherwise one pass without gradient."""
-        ro, policy = self.ro, self.policy
+        ro = self.ro
         if self.fused and ro.sample_logp is not None:
             logp = torch.where(ro.mask, ro.sample_logp.float(), 0.0)
             return ScoredBatch(logp, self.ref.logp, ro.mask, group=ro.group)
