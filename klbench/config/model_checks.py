@@ -21,6 +21,7 @@ import re
 from omegaconf import DictConfig
 
 from klbench.config.errors import ConfigError
+from klbench.models.folder import check_config_json
 
 
 def check_model_folders(cfg: DictConfig) -> None:
@@ -47,18 +48,7 @@ def check_path(name: str, what: str) -> None:
                           "(owner/name) or a local folder written by save_pretrained")
     path = os.path.expanduser(name)
     if os.path.isdir(path):
-        config = os.path.join(path, "config.json")
-        if not os.path.isfile(config):
-            held = sorted(os.listdir(path))
-            has = f"holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''} but" if held else "is empty:"
-            raise ConfigError(f"{what}: the folder {path} {has} no config.json; give a folder written by "
-                              "save_pretrained (model and tokenizer)")
-        try:
-            with open(config, encoding="utf-8") as f:
-                json.load(f)
-        except (ValueError, OSError) as e:
-            raise ConfigError(f"{what}: {config} is not valid JSON ({e}); the folder is not a saved model: "
-                              "save it again with save_pretrained") from None
+        check_config_json(path, what)
     elif os.path.exists(path):
         raise ConfigError(f"{what}: {name!r} is a file, expected a directory written by save_pretrained")
     elif _looks_like_path(name):

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from klbench.config.errors import ConfigError, MissingInput
 from klbench.console import messages as console
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
+from klbench.models.folder import check_config_json
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +113,7 @@ def resolve_pretrained(name_or_path: str, what: str = "model") -> tuple[str, dic
 def _check_model_folder(path: str, what: str) -> None:
     """A folder is a model when it holds a config.json that is JSON; said before transformers tries (it
     blamed an empty folder on sentencepiece, a broken config.json with 60 lines of traceback)."""
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        held = sorted(os.listdir(path))
-        has = f"holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''} but" if held else "is empty:"
-        raise MissingInput(f"{what}: the folder {path} {has} no config.json; give a folder written by "
-                           "save_pretrained (model and tokenizer)")
-    try:
-        with open(config, encoding="utf-8") as f:
-            json.load(f)
-    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise MissingInput(f"{what}: {config} is not valid JSON ({e}); the folder is not a saved model: "
-                           "save it again with save_pretrained") from None
+    check_config_json(path, what)
     generation = os.path.join(path, "generation_config.json")
     if os.path.isfile(generation):
         # transformers ignores a generation_config.json it cannot read and falls back to config.json: the
