@@ -12,14 +12,12 @@ klbench.config.compose both call (nothing is registered as a side effect of an i
 | klbench_config_subdir | `.hydra`, or for a later start in the same folder `.hydra/attempt-<time>` (klbench.record.rundir) | hydra.output_subdir |
 | klbench_cache | the per-user cache of embedded models (klbench.models.embedded.cache) | paths.cache |
 
-It also puts the declared defaults of the options models into Hydra's ConfigStore, as root configs that
-conf/ pulls into its groups with its defaults lists (conf/task/probe.yaml: `- /probe_options@_here_`), so
-that the yaml files hold only what differs and every option is still a key of the composed config:
-
-| config | the defaults of | pulled in by |
-|---|---|---|
-| probe_options | klbench.probe.config.ProbeOptions | conf/task/probe.yaml, conf/task/rl.yaml (task.probe) |
-| naive_cv_options, in_reward_options, in_loss_options | klbench.estimators.options | conf/estimator/<name>.yaml |
+It also puts the declared defaults of every option model (klbench.config.schema: each group's options,
+StepProbeOptions and ProbeOptions within them) into Hydra's ConfigStore, as root configs named
+`<group>_<option>_defaults` (`hardware_defaults` for the group of one model) that each conf/<group>/<option>.yaml
+pulls in first with its defaults list (conf/task/rl.yaml: `- /task_rl_defaults@_here_`). So every key is a key of
+the composed config, and a yaml holds only what its option does differently, interpolations and ??? (what
+tests/test_defaults_once.py checks).
 """
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ def _one_line(resolve):
 
 def _store_option_defaults() -> None:
     from hydra.core.config_store import ConfigStore
-    from klbench.estimators.options import GRADIENT_OPTIONS
-    from klbench.probe.config import ProbeOptions
+    from klbench.config.schema import declared_defaults, option_models
     store = ConfigStore.instance()
-    for name, model in {**GRADIENT_OPTIONS, "probe": ProbeOptions}.items():
-        store.store(name=f"{name}_options", node=model().model_dump(), replace=True)
+    for name, (model, tag) in option_models().items():
+        store.store(name=name, node=declared_defaults(model, tag), replace=True)

@@ -6,7 +6,11 @@ library's. This module imports only the stdlib, omegaconf, pydantic and torch-fr
 checks it).
 
 Each option of each config group is a pydantic model (klbench.estimators.options.Options: unknown keys, NaN
-and coercion refused) whose fields are the keys its yaml may hold; a field with a default may be left out.
+and coercion refused) whose fields are the keys its yaml may hold. Every default is declared here, once: Hydra
+takes them from these models (klbench.config.resolvers.register puts `declared_defaults` into its ConfigStore,
+and each conf/<group>/<option>.yaml pulls them in with `- /<group>_<option>_defaults@_here_`), so a yaml holds
+only what its option does differently, and the values pydantic cannot hold: interpolations (`${...}`) and `???`
+(a value the user must give). A field without a default is one of those. tests/test_defaults_once.py checks it.
 A group's models form a union told apart by their `name`, `kind` or `source`. The estimators' and the
 probe's options are declared once, in klbench.estimators.options and klbench.probe.config, and the models
 here extend them. What no single group can tell, the rules across groups, is the code after `validate`.
@@ -30,7 +34,7 @@ from klbench.estimators.options import (ADVANTAGES, GROUP_ADVANTAGES, LOSS_AGGS,
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
 from klbench.models.answer import EXTRACTS
 from klbench.models.prompts_jsonl import read_prompts, read_rows
-from klbench.probe.config import ProbeOptions
+from klbench.probe.config import ProbeOptions, StepProbeOptions
 
 Str = Annotated[str, Field(min_length=1)]
 PosInt = Annotated[int, Field(ge=1)]
@@ -47,10 +51,11 @@ def _check(ok) -> AfterValidator:
 
 # ---- task ----
 
-# the probe block of rl/distill: its fields' types always; grad_samples <= samples only where
-# task.probe_every uses it (_check_probe_every), since task.probe.grad_samples follows task.n_samples
+# the probe block of rl/distill: its fields' types (and StepProbeOptions' defaults) always; grad_samples <=
+# samples only where task.probe_every uses it (_check_probe_every), since task.probe.grad_samples follows
+# task.n_samples
 _ProbeFields = create_model("ProbeFields", __base__=Options,
-                            **{k: (f.annotation, f) for k, f in ProbeOptions.model_fields.items()})
+                            **{k: (f.annotation, f) for k, f in StepProbeOptions.model_fields.items()})
 
 
 # how rollouts sample and which KL the run regularises: klbench/estimators/sampling.py (Sampling, KL_TARGETS; it
@@ -61,7 +66,13 @@ TEMPERATURE = ("a finite number > 0 (temperature 0, greedy decoding, is refused 
 
 
 class SamplingFields(Options):
-    """task.temperature, top_k, top_p and kl_target: of rl, distill (training and validation) and probe."""
+    """task.temperature, top_k, top_p and kl_target: of rl, distill (training and validation) and probe.
+
+    The sampler pi_s: generate()'s temperature, top_k, top_p; temperature > 0 (greedy is a point mass: no estimator
+    is defined on it); top_k 0 and top_p 1 cut nothing. kl_target, which KL the run regularises and measures
+    (docs/sampling.md): sampler = KL(pi_s || pi_ref,T), the sampler against the reference at its temperature;
+    model = KL(pi || pi_ref), pi_s a behaviour policy (off-policy estimators, no truncation); tempered =
+    KL(pi_T || pi_ref,T) over the full vocabulary (TRL, verl); tempered_vs_raw = KL(pi_T || pi_ref) (tinker #689)."""
     temperature: Annotated[float, Field(gt=0, allow_inf_nan=False), Expect(TEMPERATURE)] = 1.0
     top_k: Annotated[int, Field(ge=0), Expect("an integer >= 0 (0: no top-k cut)")] = 0
     top_p: Annotated[float, Field(gt=0, le=1), Expect("a number in (0, 1] (1: no top-p cut)")] = 1.0
@@ -69,49 +80,63 @@ class SamplingFields(Options):
 
 
 class TaskRL(SamplingFields):
+    """Reward + beta * KL(pi || pi_ref): RLOO (task.advantage) for the reward, the configured estimator for the KL."""
     name: Literal["rl"]
-    n_samples: PosInt
-    prompts_per_step: PosInt
-    max_new_tokens: PosInt
-    lr: float = Field(gt=0)
-    weight_decay: float = Field(ge=0)
-    max_steps: PosInt
-    val_every: PosInt
-    val_prompts: PosInt
-    val_samples: PosInt
-    val_seed: int
-    log_every: PosInt
-    reward_coef: float
-    n_sample_texts: int = Field(ge=0)
-    grad_clip: Optional[float] = Field(None, ge=0)  # train reads it with .get; null: no clipping
+    n_samples: PosInt = 4  # samples per prompt: the RLOO group (loo's KL group too)
+    prompts_per_step: PosInt = 8  # prompts per optimisation step (batch = prompts_per_step * n_samples)
+    max_new_tokens: PosInt = 24
+    lr: float = Field(3.0e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: Optional[float] = Field(1.0, ge=0)  # the gradient norm's clip; null: no clipping
+    max_steps: PosInt = 120
+    val_every: PosInt = 40  # steps between validations on held-out prompts
+    val_prompts: PosInt = 32
+    val_samples: PosInt = 2  # fresh samples per held-out prompt
+    val_seed: int = 1234  # validation samples come from their own seeded stream
+    log_every: PosInt = 5
+    reward_coef: float = 1.0
+    n_sample_texts: int = Field(8, ge=0)  # rows of the sample-text table logged at each validation
+    # a small estimator probe (klbench/probe/measure.py) at the validations whose step is a multiple of it (null:
+    # never), with the options of task.probe (klbench.probe.config.StepProbeOptions), logged as probe/* metrics
+    probe_every: Optional[int] = Field(None, ge=1)
+    # no default of its own: conf/task/rl.yaml sets task.probe.grad_samples to ${..n_samples}; null: no probe block
+    probe: Optional[_ProbeFields]
+    # sequences scored at once (language models: klbench.models.policies.LMPolicy.score); null: the whole batch.
+    # The loss still sees the whole batch, so the gradient is the full batch's for every estimator (docs/scale.md)
+    micro_batch_size: Optional[PosInt] = None
     # optimiser steps per rollout (GRPO num_iterations, PPO epochs): > 1 reuses each rollout off-policy
     inner_steps: PosInt = 1
-    # sequences scored at once (klbench.models.policies.LMPolicy.score); None: the whole batch
-    micro_batch_size: Optional[PosInt] = None
-    clip_eps: float = Field(0.2, gt=0, le=1)  # PPO clip of the reward term's ratio (inner_steps > 1)
-    # a small klbench.probe.measure at the validations whose step is a multiple of probe_every (null: never)
-    probe_every: Optional[int] = Field(None, ge=1)
-    probe: Optional[_ProbeFields] = None
-    # the reward term (klbench/estimators/advantages.py): its advantage, the std's epsilon of grpo, and how
-    # its per-token terms are aggregated
+    clip_eps: float = Field(0.2, gt=0, le=1)  # PPO clip of the reward term's per-token ratio pi / pi_old (inner_steps > 1)
+    # the reward term (klbench/estimators/advantages.py states each formula): rloo | grpo (group mean and std) |
+    # dr_grpo (group mean) | reinforce (batch mean)
     advantage: Literal[ADVANTAGES] = "rloo"
-    adv_eps: float = Field(1e-6, gt=0)
+    adv_eps: float = Field(1.0e-6, gt=0)  # grpo's (r - mean) / (std + adv_eps): verl 1e-6, TRL 1e-4
+    # seq_sum | token_mean (DAPO) | seq_mean_token_mean (GRPO) | seq_sum_norm (Dr. GRPO, / max_new_tokens)
     loss_agg: Literal[LOSS_AGGS] = "seq_sum"
 
 
 class TaskDistill(TaskRL):
-    """rl's keys; the rules that make it distillation (teacher, beta = 1) are in _check_combination."""
+    """On-policy distillation: the student (model) samples and minimises KL(student || teacher) with the configured
+    gradient estimator. rl's keys; the rules that make it distillation (teacher, beta = 1) are in
+    _check_combination. lr stays rl's 3e-4: 1e-3 made every estimator's KL rise first on the embedded
+    student/teacher pair."""
     name: Literal["distill"]
+    reward_coef: float = 0.0  # an optional reward term with its own coefficient (needs a reward other than none)
+    max_steps: PosInt = 150
+    val_every: PosInt = 25
 
 
 class TaskPretrain(Options):
+    """Build (or rebuild) the embedded LM described by model=embedded into the per-user cache (paths.cache)."""
     name: Literal["pretrain"]
-    force: bool
+    force: bool = False  # rebuild even if the cache for this spec exists
 
 
 class TaskProbe(ProbeOptions, SamplingFields):
+    """Measure every value and gradient estimator on a policy/reference pair (klbench/probe/measure.py): the
+    options are ProbeOptions' (klbench/probe/config.py), the sampler and KL target rl's (docs/sampling.md)."""
     name: Literal["probe"]
-    max_new_tokens: PosInt
+    max_new_tokens: PosInt = 24
 
 
 Task = Union[TaskRL, TaskDistill, TaskPretrain, TaskProbe]
@@ -129,44 +154,41 @@ BETA_RANGE = (f"a finite number >= 0 and <= {BETA_MAX:g} (a larger one leaves th
 Beta = Annotated[float, Field(ge=0, le=BETA_MAX), Expect(BETA_RANGE)]
 
 
-class Estimator(Options):
+class _Beta(Options):
+    beta: Beta = 0.05  # scales KL(pi || pi_ref) in the loss (kl_ctl=fixed; kl_ctl=adaptive starts from it)
+
+
+class Estimator(_Beta):
+    """The gradient estimators without options (docs/estimators.md)."""
     name: Literal["naive_mc", "token", "seq", "cumulative", "loo", "rb"]
-    beta: Beta
 
 
-class EstimatorNaiveCV(ControlVariateOptions):
+class EstimatorNaiveCV(ControlVariateOptions, _Beta):
     name: Literal["naive_cv"]
-    beta: Beta
 
 
-class EstimatorInReward(InRewardOptions):
+class EstimatorInReward(InRewardOptions, _Beta):
     name: Literal["in_reward"]
-    beta: Beta
 
 
-class EstimatorInLoss(InLossOptions):
+class EstimatorInLoss(InLossOptions, _Beta):
     name: Literal["in_loss"]
-    beta: Beta
 
 
-class EstimatorLibrary(LibraryOptions):
+class EstimatorLibrary(LibraryOptions, _Beta):
     name: Literal["library"]
-    beta: Beta
 
 
-class EstimatorVOPD(VOPDOptions):
+class EstimatorVOPD(VOPDOptions, _Beta):
     name: Literal["vopd"]
-    beta: Beta
 
 
-class EstimatorTopKTail(TopKTailOptions):
+class EstimatorTopKTail(TopKTailOptions, _Beta):
     name: Literal["topk_tail"]
-    beta: Beta
 
 
-class EstimatorTopKTrunc(TopKTruncOptions):
+class EstimatorTopKTrunc(TopKTruncOptions, _Beta):
     name: Literal["topk_trunc"]
-    beta: Beta
 
 
 EstimatorOption = Union[Estimator, EstimatorNaiveCV, EstimatorInReward, EstimatorInLoss, EstimatorLibrary,
@@ -181,18 +203,27 @@ OFF_POLICY_ESTIMATORS = ("rb", "in_reward", "in_loss", "library")
 Signal = Literal[tuple(REPORTED_VALUES)]  # the value estimators klbench reports (and logs as train/kl_<label>)
 
 class KLCtlFixed(Options):
+    """beta = estimator.beta for the whole run (klbench/tasks/kl_control.py: FixedKL). The default."""
     name: Literal["fixed"]
 
 
+HORIZON_UNITS = ("steps", "sequences")  # of kl_ctl.horizon (klbench.tasks.kl_control.AdaptiveKL)
+
+
 class KLCtlAdaptive(Options):
+    """Hold a target sequence KL(pi || pi_ref) instead of choosing beta (klbench/tasks/kl_control.py: AdaptiveKL),
+    a PI controller on log beta. These defaults, the controller's too, hold the target without ringing:
+    docs/kl-control.md. init_beta has no default here: conf/kl_ctl/adaptive.yaml sets it to ${estimator.beta}."""
     name: Literal["adaptive"]
-    target: float = Field(gt=0)  # nats per sequence
-    horizon: float = Field(gt=0)  # integral time, in horizon_unit
+    target: float = Field(2.0, gt=0)  # nats per sequence
+    # integral time: the integral part moves log beta by at most clip / horizon = 4% a step
+    horizon: float = Field(10, gt=0)
+    # steps | sequences (the unit before issue 18: then horizon counts sequences)
+    horizon_unit: Literal[HORIZON_UNITS] = "steps"
+    kp: float = Field(1.0, ge=0)  # proportional gain on log beta (damping); beta stays within exp(+-kp * clip) of beta_i
     init_beta: float = Field(gt=0)  # the update is multiplicative: 0 would stay 0
-    clip: float = Field(0.4, gt=0)
-    signal: Signal = "rb"
-    kp: float = Field(1.0, ge=0)  # proportional gain on log beta
-    horizon_unit: Literal["steps", "sequences"] = "steps"  # klbench.tasks.kl_control.HORIZON_UNITS
+    clip: float = Field(0.4, gt=0)  # bound on the relative error: a wild estimate moves beta by at most exp(kp * clip)
+    signal: Signal = "rb"  # mc | k2 | k3 | cv_seq | cv_opt | rb (train/kl_<signal>)
 
 
 KLCtl = Union[KLCtlFixed, KLCtlAdaptive]
@@ -201,68 +232,81 @@ KLCtl = Union[KLCtlFixed, KLCtlAdaptive]
 # ---- model (and teacher) ----
 
 class EmbeddedSpec(Options):
-    """Overrides of the preset's spec (the keys of klbench.models.embedded.spec's presets); null keeps the preset's."""
+    """Overrides of the preset's spec (the keys of klbench.models.embedded.spec's presets): null keeps the preset's
+    value; any other value overrides it (and changes the cache key)."""
     name: Annotated[Optional[str], Field(pattern=r"^[A-Za-z0-9_.-]+$"),
                     Expect("null or a cache directory name: letters, digits, _ . -")] = None
-    corpus_size: Optional[int] = Field(None, ge=1)
+    corpus_size: Optional[int] = Field(None, ge=1)  # generated reviews to pretrain on
     corpus_seed: Optional[int] = None
     positive_fraction: Optional[float] = Field(None, ge=0, le=1)  # the review presets'
-    noise_fraction: Optional[float] = Field(None, ge=0, le=1)  # preset arith's (klbench/models/embedded/arith.py)
-    digits: Optional[int] = Field(None, ge=2)  # preset arith's
-    vocab_size: Optional[int] = Field(None, ge=1)
+    # preset arith's (klbench/models/embedded/arith.py): the share of worked answers with one slip
+    noise_fraction: Optional[float] = Field(None, ge=0, le=1)
+    digits: Optional[int] = Field(None, ge=2)  # preset arith's: operands of 2 to `digits` digits
+    vocab_size: Optional[int] = Field(None, ge=1)  # byte-level BPE size; models with one vocab_size share one tokenizer
     n_embd: Optional[int] = Field(None, ge=1)
     n_layer: Optional[int] = Field(None, ge=1)
     n_head: Optional[int] = Field(None, ge=1)
     n_positions: Optional[int] = Field(None, ge=1)
-    steps: Optional[int] = Field(None, ge=1)
+    steps: Optional[int] = Field(None, ge=1)  # pretraining steps
     batch_size: Optional[int] = Field(None, ge=1)
     lr: Optional[float] = Field(None, gt=0)
     seed: Optional[int] = None
-    max_len: Optional[int] = Field(None, ge=1)
+    max_len: Optional[int] = Field(None, ge=1)  # tokens per pretraining review
 
 
 DType = Literal[DTYPES]
 
 
 class Lora(Options):
-    """model.lora (klbench/models/lora.py); r null: no LoRA."""
-    r: Optional[PosInt] = None
+    """model.lora (peft, klbench/models/lora.py): the policy is an adapter on the frozen base, pi_ref the base with
+    it off."""
+    r: Optional[PosInt] = None  # rank; null: no LoRA, the whole model trains
     alpha: float = Field(16, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(0.0, ge=0, lt=1)  # must stay 0: klbench scores with dropout off (docs/lora.md)
+    # module names, e.g. [q_proj, v_proj]; null: peft's default for the architecture
     target_modules: Optional[list[Str]] = None
 
 
-class ModelEmbedded(Options):
-    kind: Literal["embedded"]
-    preset: Literal["reference", "teacher", "student", "arith"]
-    spec: EmbeddedSpec
-    dtype: DType
+class _LanguageModel(Options):
+    """What the embedded LM and any hf model share."""
+    dtype: DType = "float32"
     lora: Lora = Lora()
-    gradient_checkpointing: bool = False  # transformers' activation checkpointing (klbench.models.hf)
-    attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # as ModelHF's
+    # null: the model's default (sdpa where supported, which the fused GPT-2 passes need); eager, sdpa,
+    # flex_attention, flash_attention_2/3 (docs/instruct.md)
+    attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None
+    # recompute each layer's activations in backward instead of keeping them (transformers', klbench.models.hf)
+    gradient_checkpointing: bool = False
 
 
-class ModelHF(Options):
+class ModelEmbedded(_LanguageModel):
+    """The offline embedded reference: a small GPT-2 pretrained on generated movie reviews, cached by spec hash."""
+    kind: Literal["embedded"]
+    preset: Literal["reference", "teacher", "student", "arith"] = "reference"  # klbench/models/embedded/spec.py PRESETS
+    spec: EmbeddedSpec = EmbeddedSpec()
+
+
+class ModelHF(_LanguageModel):
+    """Any AutoModelForCausalLM: a hub id (needs a hub or HF cache) or a local folder saved with save_pretrained.
+    No defaults of their own: name_or_path is the user's (???), ref_name_or_path ${.name_or_path} (conf/model/hf.yaml),
+    the frozen pi_ref, the policy's starting point unless given."""
     kind: Literal["hf"]
     name_or_path: Str
     ref_name_or_path: Str
-    dtype: DType
-    lora: Lora = Lora()
-    gradient_checkpointing: bool = False  # transformers' activation checkpointing (klbench.models.hf)
-    trust_remote_code: bool = False  # run the folder's own modelling code (klbench.models.hf.load_causal_lm)
-    attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None  # null: the model's default (SDPA)
-    # the sampling options of the folder's generation_config: klbench's task.temperature/top_k/top_p (the
-    # default, saying so when the folder sets others) or the folder's (klbench.models.policies.build_policy)
+    trust_remote_code: bool = False  # true runs the folder's own modelling code (auto_map in its config.json)
+    # the folder's generation_config: its stop ids (eos_token_id, one id or a list) always end a response; its
+    # sampling options (temperature, top_k, top_p) are used only with `follow`, else the run says it uses task.*'s
+    # (klbench.models.policies.build_policy)
     generation_config: Literal["klbench", "follow"] = "klbench"
 
 
 class ModelTabular(Options):
+    """Enumerable autoregressive tabular model: exact KL, exact reward, exact Pareto frontier."""
     kind: Literal["tabular"]
-    K: int = Field(ge=2)
-    T: PosInt
-    eos: Optional[int] = Field(ge=0)  # < K: checked in _check_tabular_pair
-    ref_seed: int
-    ref_scale: float = Field(ge=0)
+    K: int = Field(4, ge=2)  # vocabulary size
+    T: PosInt = 4  # horizon
+    eos: Optional[int] = Field(0, ge=0)  # EOS token id, < K (_check_tabular_pair); null: every response has length T
+    ref_seed: int = 0
+    ref_scale: float = Field(1.0, ge=0)  # pi_ref logits ~ ref_scale * N(0, 1)
 
 
 Model = Union[ModelEmbedded, ModelHF, ModelTabular]
@@ -271,41 +315,50 @@ Model = Union[ModelEmbedded, ModelHF, ModelTabular]
 # ---- dataset ----
 
 class DatasetOptions(Options):
-    """What every prompt source shares: instruct models' chat templates (klbench.models.chat)."""
-    chat_template: bool = False  # render each prompt with the tokenizer's chat template
+    """What every prompt source shares: instruct models' chat templates (klbench.models.chat, docs/instruct.md)."""
+    chat_template: bool = False  # true: render each prompt with the tokenizer's chat template
     system_prompt: Optional[str] = None  # a system turn before each prompt; needs chat_template=true
 
 
 class DatasetEmbedded(DatasetOptions):
+    """Built-in review openings (train/val disjoint)."""
     source: Literal["embedded"]
 
 
 class DatasetArith(DatasetOptions):
-    """Generated arithmetic prompts (klbench/models/embedded/arith.py); the answers are computed from them."""
+    """Generated arithmetic problems `a+b=` / `a-b=` (klbench/models/embedded/arith.py): unlimited training prompts,
+    validation prompts from a held-out tenth of all problems; reward=answer computes each answer from its prompt."""
     source: Literal["arith"]
-    digits: int = Field(ge=2)
-    max_train: PosInt
-    seed: int
+    digits: int = Field(2, ge=2)  # operands of 2 to `digits` digits (the arith preset is pretrained on 2)
+    # training prompts generated (fresh problems; a run of 120 steps x 8 prompts uses 960)
+    max_train: PosInt = 50000
+    seed: int = 0
 
 
-class DatasetJsonl(DatasetOptions):
+class _Answers(DatasetOptions):
+    # reward=answer: the field (jsonl) or column (hf) holding each row's reference answer (GSM8K: answer)
+    answer_field: Optional[Str] = None
+
+
+class DatasetJsonl(_Answers):
+    """One JSON object per line; `field` holds the prompt text. train_path and val_path are the user's (???)."""
     source: Literal["jsonl"]
     train_path: Str
     val_path: Str
-    field: Str
-    answer_field: Optional[Str] = None  # reward=answer: the field holding each row's reference answer
+    field: Str = "prompt"
 
 
-class DatasetHF(DatasetOptions):
+class DatasetHF(_Answers):
+    """An HF dataset (needs the `datasets` package and a hub or a local copy). Paper 001: IMDB review openings."""
     source: Literal["hf"]
-    name: Str
-    train_split: Str
-    val_split: Str
-    field: Str
-    prompt_words: Optional[PosInt]  # null: whole texts (and a messages field)
-    max_train: PosInt
-    max_val: PosInt
-    answer_field: Optional[Str] = None  # reward=answer: the column holding each row's reference answer
+    name: Str = "imdb"  # hub id, or a folder saved with Dataset(Dict).save_to_disk
+    train_split: Str = "train"
+    val_split: Str = "test"
+    field: Str = "text"
+    # keep the first words of each text as the prompt (null: whole texts; a messages field needs null)
+    prompt_words: Optional[PosInt] = 8
+    max_train: PosInt = 5000
+    max_val: PosInt = 64
 
 
 Dataset = Union[DatasetEmbedded, DatasetJsonl, DatasetHF, DatasetArith]
@@ -314,25 +367,30 @@ Dataset = Union[DatasetEmbedded, DatasetJsonl, DatasetHF, DatasetArith]
 # ---- reward ----
 
 class RewardVader(Options):
+    """VADER compound sentiment in [-1, 1] (offline lexicon shipped in the wheel)."""
     kind: Literal["vader"]
 
 
 class RewardTabular(Options):
+    """A random reward table over the tabular model's sequences (needs model=tabular)."""
     kind: Literal["tabular"]
-    seed: int
-    scale: float
+    seed: int = 1
+    scale: float = 1.0
 
 
 class RewardNone(Options):
+    """No reward: pure KL minimisation (distillation)."""
     kind: Literal["none"]
 
 
 class RewardHFClassifier(Options):
+    """Any AutoModelForSequenceClassification; the reward is the raw logit (or probability) of `label`.
+    name_or_path is the user's (???)."""
     kind: Literal["hf_classifier"]
     name_or_path: Str
-    label: Union[Str, int]  # a label name of the classifier's id2label, or its id
-    score: Literal["logit", "prob"]
-    batch_size: PosInt
+    label: Union[Str, int] = "POSITIVE"  # a label name of the classifier's id2label, or its id
+    score: Literal["logit", "prob"] = "logit"
+    batch_size: PosInt = 32
 
 
 def _regex_ok(v: Any) -> bool:
@@ -344,14 +402,17 @@ def _regex_ok(v: Any) -> bool:
 
 
 class RewardAnswer(Options):
-    """klbench.models.answer: 1 where the extracted final answer matches the reference, plus format_reward
-    where an answer could be extracted at all."""
+    """A verifiable reward (klbench/models/answer.py): 1 where the response's final answer equals the prompt's
+    reference answer (dataset.answer_field), else 0; plus format_reward where an answer could be extracted at all."""
     kind: Literal["answer"]
+    # last_number | gsm8k (after ####) | boxed (\boxed{...}) | regex (reward.pattern)
     extract: Literal[EXTRACTS] = "last_number"
+    # extract=regex: a Python regex; its first group (or the whole match) is the answer
     pattern: Annotated[Optional[str], _check(lambda v: v is None or _regex_ok(v)),
                        Expect("null or a Python regular expression (its first group, if any, is the answer)")] = None
     format_reward: float = 0.0
-    axis: Literal["val/accuracy", "val/reward"] = "val/accuracy"  # a sweep's objective, the frontier's reward axis
+    # a sweep's objective and the frontier's reward axis: val/accuracy | val/reward (with the format reward)
+    axis: Literal["val/accuracy", "val/reward"] = "val/accuracy"
 
 
 Reward = Union[RewardVader, RewardTabular, RewardNone, RewardHFClassifier, RewardAnswer]
@@ -376,36 +437,39 @@ def _no_float(v: Any) -> Any:
 
 
 class Hardware(Options):
-    accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu"]
+    """The defaults are hardware=cpu's: one process on the CPU in float32."""
+    accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "tpu"] = "cpu"
     devices: Annotated[Any, _check(_devices_ok),
-                       Expect("a positive integer, -1 (all), 'auto' or a list of device indices")]
-    strategy: Str  # Lightning's strategy registry is open-ended: Lightning checks the name
+                       Expect("a positive integer, -1 (all), 'auto' or a list of device indices")] = 1
+    strategy: Str = "auto"  # Lightning's strategy registry is open-ended: Lightning checks the name
     precision: Annotated[Literal[64, 32, 16, "64", "32", "16", "bf16", "64-true", "32-true", "16-true", "16-mixed",
                                  "bf16-true", "bf16-mixed", "transformer-engine", "transformer-engine-float16"],
-                         BeforeValidator(_no_float)]
-    num_nodes: PosInt
+                         BeforeValidator(_no_float)] = "32-true"
+    num_nodes: PosInt = 1
 
 
 # ---- logger ----
 
 class LoggerMlflow(Options):
+    """MLflow tracking, into the store the `store` group names (local: SQLite in outputs/, server: an mlflow
+    server). tracking_uri and artifact_root have no defaults here: conf/logger/mlflow.yaml takes them from store.*."""
     kind: Literal["mlflow"]
-    experiment: Str
+    experiment: Str = "klbench"
     tracking_uri: Str
     artifact_root: Optional[Str]  # None: the tracking server's artifact store
-    run_name: Optional[Str] = None
-    parent_run_id: Optional[Str] = None
+    run_name: Optional[Str] = None  # None: a readable name from task, estimator, beta and seed
+    parent_run_id: Optional[Str] = None  # set by sweeps: trial runs become children of the sweep's run
 
 
 class LoggerCSV(Options):
     kind: Literal["csv"]
     # experiments and sweeps name their MLflow experiment (sweeps a parent run too) whatever the logger, and
-    # `logger=csv experiment=...` must still work: accepted, unused
-    experiment: Optional[Str] = None
-    tracking_uri: Optional[Str] = None
-    artifact_root: Optional[Str] = None
-    run_name: Optional[Str] = None
-    parent_run_id: Optional[Str] = None
+    # `logger=csv experiment=...` must still work: accepted, unused (exclude: no key of the composed config)
+    experiment: Optional[Str] = Field(None, exclude=True)
+    tracking_uri: Optional[Str] = Field(None, exclude=True)
+    artifact_root: Optional[Str] = Field(None, exclude=True)
+    run_name: Optional[Str] = Field(None, exclude=True)
+    parent_run_id: Optional[Str] = Field(None, exclude=True)
 
 
 class LoggerNone(LoggerCSV):
@@ -418,6 +482,7 @@ Logger = Union[LoggerMlflow, LoggerCSV, LoggerNone]
 # ---- store ----
 
 class StoreLocal(Options):
+    """Every key is an interpolation into the outputs folder: conf/store/local.yaml declares them."""
     kind: Literal["local"]
     mlflow: Str
     artifacts: Str
@@ -433,9 +498,10 @@ class StoreServer(Options):
     mlflow: Annotated[str, Field(pattern=r"^https?://.+$"),
                       Expect("the URL of an `mlflow server`, http(s)://host:port (store.mlflow=... or "
                              "$KLBENCH_MLFLOW_URI)")]
-    # only a sweep opens the Optuna study, so only a sweep needs it (klbench.sweep.study.prepare_study)
-    optuna: Annotated[Optional[str], Field(pattern=r"^[a-z0-9]+(\+[a-z0-9]+)?://.+$"), Expect(OPTUNA_URL)] = None
-    artifacts: Optional[Str] = None
+    # only a sweep opens the Optuna study, so only a sweep needs it (klbench.sweep.study.prepare_study); no default
+    # here: conf/store/server.yaml reads $KLBENCH_OPTUNA_STORAGE (null without it)
+    optuna: Annotated[Optional[str], Field(pattern=r"^[a-z0-9]+(\+[a-z0-9]+)?://.+$"), Expect(OPTUNA_URL)]
+    artifacts: Optional[Str] = None  # null: the server stores them (its --artifacts-destination)
 
 
 Store = Union[StoreLocal, StoreServer]
@@ -464,6 +530,41 @@ GROUPS: dict[str, tuple[Any, Optional[str]]] = {
     "reward": (Reward, "kind"), "hardware": (Hardware, None), "logger": (Logger, "kind"), "store": (Store, "kind")}
 # not checked: paths are interpolations, only the sweeper reads optimized_metrics, `hydra` is Hydra's own
 OTHER_KEYS = ("optimized_metrics", "paths", "hydra")
+
+
+# ---- the defaults Hydra composes from (klbench.config.resolvers.register) ----
+
+def option_models() -> dict[str, tuple[type[BaseModel], dict]]:
+    """Every option model and its tag ({"name": "rl"}; {} for the group of one model), by the name of the
+    ConfigStore node of its declared defaults: `<group>_<tag>_defaults` (`task_rl_defaults`), `hardware_defaults`.
+    model@teacher composes from model's."""
+    out = {}
+    for group, (options, disc) in GROUPS.items():
+        if group == "teacher":
+            continue
+        for tag, model in (_tags(options, disc).items() if disc else [(None, options)]):
+            out[f"{group}_{tag}_defaults" if tag else f"{group}_defaults"] = (model, {disc: tag} if tag else {})
+    return out
+
+
+def declared_defaults(model: type[BaseModel], tag: dict | None = None) -> dict:
+    """The node an option composes from: its tag first (`name: rl`), then every field in declaration order: its
+    default, for a block without one the defaults of its fields, else ??? (what the yaml or the user gives: an
+    interpolation, or a value only the user knows). A field with exclude=True is accepted and unused: no key."""
+    out = dict(tag or {})
+    for key, f in model.model_fields.items():
+        block = next((a for a in (f.annotation, *get_args(f.annotation)) if isinstance(a, type) and
+                      issubclass(a, BaseModel)), None)
+        if key in out or f.exclude:
+            continue
+        if not f.is_required():
+            value = f.get_default(call_default_factory=True)
+            out[key] = value.model_dump() if isinstance(value, BaseModel) else value
+        elif block is not None:
+            out[key] = declared_defaults(block)
+        else:
+            out[key] = "???"
+    return out
 
 
 def validate(cfg: DictConfig) -> None:

@@ -2,6 +2,7 @@
 by task=probe and by task.probe of rl/distill (klbench.tasks.probe), by the config schema before torch is
 imported (klbench.config.schema), and by Hydra, which takes the defaults from here
 (klbench.config.resolvers.register: conf/task/probe.yaml and rl.yaml's `probe:` hold only what differs).
+StepProbeOptions: the smaller defaults of task.probe, the probe of rl/distill at validations (task.probe_every).
 
     ProbeOptions(samples=32, replicates=128)   # a bad value raises pydantic's ValidationError, a ValueError
 
@@ -52,3 +53,16 @@ class ProbeOptions(Options):
             out.append(m)
             m *= 2
         return out if out[-1] == self.samples else out + [self.samples]
+
+
+class StepProbeOptions(ProbeOptions):
+    """task.probe of rl/distill: the probe at validations (task.probe_every), smaller than task=probe's so that
+    it costs a training run little; logged as probe/* metrics. grad_samples has no default here: conf/task/rl.yaml
+    sets it to ${..n_samples}, the training batch's samples per prompt."""
+    prompts: int = Field(4, ge=1)
+    samples: int = Field(8, ge=1)
+    grad_samples: int = Field(ge=1)
+    replicates: int = Field(16, ge=2)
+    ref_batches: int = Field(2, ge=1)
+    ref_samples: int = Field(16, ge=1)
+    bootstrap: int = Field(200, ge=1)

@@ -29,7 +29,9 @@ BEFORE = {"kl_ctl": {"name": "fixed"}, "task.inner_steps": 1, "task.clip_eps": 0
           "kl_ctl.kp": 0.0, "kl_ctl.horizon_unit": "sequences",
           # before issue 29: plain sampling, whose every target is one pair; klbench's sampling, not the folder's
           "task.temperature": 1.0, "task.top_k": 0, "task.top_p": 1.0, "task.kl_target": "sampler",
-          "model.generation_config": "klbench", "teacher.generation_config": "klbench"}
+          "model.generation_config": "klbench", "teacher.generation_config": "klbench",
+          # issue 46: dataset=arith's config gained the chat keys every dataset declares (false and null)
+          "dataset.chat_template": False}
 
 
 # task keys that only add measurements (klbench.probe.measure at validations, on its own RNG stream): they never
