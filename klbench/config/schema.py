@@ -592,7 +592,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"teacher.kind={kind} and model.kind={model}: student and teacher must both be "
                               "tabular or both be language models")
         teacher = _check_group(cfg, "teacher").kind
-        if teacher == "hf" and cfg.teacher.get("generation_config", "klbench") != "klbench":
+        if teacher == "hf" and cfg.teacher.generation_config != "klbench":
             raise ConfigError("teacher.generation_config=follow: the teacher never samples (it is pi_ref), so its "
                               "generation_config's sampling options do not apply; the student's do "
                               "(model.generation_config)")
@@ -802,7 +802,7 @@ def check_followed_sampling(cfg: DictConfig, temperature: float, top_k: int, top
     """The task's sampling rules again for the sampling a model's generation_config chose instead of task.*'s
     (model.generation_config=follow: known once the model is loaded)."""
     task = cfg.task
-    t = SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, kl_target=task.get("kl_target", "sampler"),
+    t = SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, kl_target=task.kl_target,
                         probe_every=task.get("probe_every"))
     training = task.name != "probe"
     try:
@@ -911,7 +911,7 @@ def _check_jsonl(ds: DictConfig, min_train: int) -> None:
     for key in ("train_path", "val_path"):
         try:
             prompts = [p for p, _ in read_rows(ds[key], ds.field, ds.get("answer_field"),
-                                               bool(ds.get("chat_template", False)))]
+                                               ds.chat_template)]
         except (OSError, ValueError) as e:
             raise ConfigError(f"dataset.{key}: {e}") from None
         if key == "train_path" and len(prompts) < min_train:
