@@ -48,7 +48,7 @@ def step(rank: int, world: int, out: str, overrides: list[str]) -> None:
     else:
         same = True
     scoring = policy.scoring(ro, t.get("micro_batch_size"), task.needs_kappa(1))
-    _, loss, _ = backward_in_parts(policy, scoring, lambda b: task.rl_loss(b, ro, reward, "test"))
+    _, loss, _ = backward_in_parts(policy, scoring, lambda b: task.step_loss(b, ro, reward, 0, "test"))
     loss.backward()
     value = loss.detach().clone()
     if world > 1:

@@ -136,7 +136,7 @@ def test_fused_kl_is_in_the_advantage(tmp_path):
 def test_ppo_reward_loss_at_ratio_one_is_the_on_policy_reward_term():
     """task.inner_steps > 1 aggregates PPO's clipped term as task.loss_agg: at pi == pi_old its gradient is the
     on-policy reward term's, for every aggregation."""
-    from klbench.tasks.offpolicy import ppo_reward_loss
+    from klbench.estimators.advantages import ppo_reward_loss
     mask = torch.tensor([[True, True, True], [True, False, False]])
     adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
     old = torch.randn(2, 3, dtype=torch.float64)

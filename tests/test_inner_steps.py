@@ -11,7 +11,7 @@ from omegaconf import open_dict
 
 import klbench.tasks.rl as rl_module
 from klbench.config.schema import ConfigError, validate
-from klbench.tasks.offpolicy import ppo_reward_loss
+from klbench.estimators.advantages import ppo_reward_loss
 from klbench.tasks.train import run
 from test_config import compose_cfg
 
@@ -19,11 +19,11 @@ TABULAR = ["experiment=tabular", "task.val_every=8", "task.max_steps=16"]
 
 
 def test_inner_steps_1_is_the_unchanged_path(tmp_path, monkeypatch):
-    # inner_steps=1 must never enter the off-policy step, and gives bit for bit the run a config without
+    # inner_steps=1 must never reach PPO's reward loss, and gives bit for bit the run a config without
     # the key (a config from before inner_steps existed) gives
     def forbidden(*a, **k):
-        raise AssertionError("off_policy_step called with inner_steps=1")
-    monkeypatch.setattr(rl_module, "off_policy_step", forbidden)
+        raise AssertionError("ppo_reward_loss called with inner_steps=1")
+    monkeypatch.setattr(rl_module, "ppo_reward_loss", forbidden)
     a = run(compose_cfg(tmp_path / "a", TABULAR + ["logger=none", "task.inner_steps=1", "task.clip_eps=0.05"]))
     cfg = compose_cfg(tmp_path / "b", TABULAR + ["logger=none"])
     with open_dict(cfg):

@@ -228,8 +228,8 @@ def test_train_metrics_only_where_something_reads_them(tmp_path, monkeypatch):
     from klbench.console import progress
     from klbench.tasks.rl import RLTask
     calls = []
-    original = RLTask._log_train
-    monkeypatch.setattr(RLTask, "_log_train", lambda self, *a: calls.append(1) or original(self, *a))
+    original = RLTask.log_train
+    monkeypatch.setattr(RLTask, "log_train", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     quiet = run(compose_cfg(tmp_path / "none", TABULAR + ["logger=none"]))
     assert len(calls) == 30 // 5  # task.log_every=5: the progress lines read them
     logged = run(compose_cfg(tmp_path / "mlflow", TABULAR))

@@ -1,6 +1,6 @@
 """The reward term of the RL loss: the advantage of each sampled response (`task.advantage`) and how the
 per-token terms are summed into one loss (`task.loss_agg`). Pure torch; the RL task (klbench/tasks/rl.py)
-and its off-policy step (klbench/tasks/offpolicy.py) call these.
+calls these, ppo_reward_loss at task.inner_steps > 1.
 
 Notation: B responses, n per prompt (a group g(i)), r_i the reward, |y_i| the number of real tokens of
 response i, l_{i,t} = log pi(y_{i,t} | y_{i,<t}), x_{i,t} the per-token term (A_i l_{i,t} on-policy, PPO's
@@ -85,3 +85,25 @@ def reward_loss(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, kind:
                 max_len: int | None = None) -> torch.Tensor:
     """The on-policy reward term: -aggregate(A_i l_{i,t}). adv: [B] detached; logp, mask: [B, T]."""
     return -aggregate(adv.detach().to(logp.dtype).unsqueeze(-1) * logp, mask, kind, max_len)
+
+
+def ppo_reward_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
+                    clip_eps: float, loss_agg: tuple[str, int | None] = ("seq_sum", None)
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clipped reward loss (scalar, aggregated as loss_agg = (task.loss_agg, L_max)) and its ratio statistics.
+
+    logp, old_logp: [B, T]; mask: [B, T] bool; adv: [B]. Statistics over real tokens: `ratio_mean` (mean w_t)
+    and `clip_frac`, the fraction of tokens whose gradient the clip removes (w_t > 1 + eps with A > 0, or
+    w_t < 1 - eps with A < 0).
+    """
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    log_w = torch.where(mask, logp, zero) - torch.where(mask, old_logp, zero)  # [B, T], zero off the mask
+    w = torch.exp(log_w)  # [B, T]
+    a = adv.to(logp.dtype).unsqueeze(-1)  # [B, 1]
+    per_token = torch.minimum(w * a, w.clamp(1 - clip_eps, 1 + clip_eps) * a)  # [B, T]
+    loss = -aggregate(per_token, mask, *loss_agg)
+    with torch.no_grad():
+        clipped = ((w > 1 + clip_eps) & (a > 0)) | ((w < 1 - clip_eps) & (a < 0))  # [B, T]
+        n = mask.sum().clamp(min=1)
+        stats = {"train/ratio_mean": w[mask].sum() / n, "train/clip_frac": (clipped & mask).sum() / n}
+    return loss, stats

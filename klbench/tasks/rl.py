@@ -1,4 +1,5 @@
-"""task=rl: maximise E[r] - beta * KL(pi || pi_ref). Thin wiring: rollout, reward, loss, logging.
+"""task=rl: maximise E[r] - beta * KL(pi || pi_ref). One optimiser step, readable here: rollout, reward,
+scoring a micro-batch at a time, loss, logging, beta's update.
 
 Reward gradient: REINFORCE with the advantage task.advantage (rloo by default: a leave-one-out baseline over
 the n samples of a prompt) aggregated over tokens as task.loss_agg (klbench/estimators/advantages.py), on the
@@ -8,25 +9,44 @@ docs/sampling.md); with estimator=in_reward kl_norm=fused the KL value enters th
 instead, and there is no separate KL term. Every value estimator is logged on the same batch so that their
 disagreement is visible step by step, where the batch's samples are y ~ its policy (not for kl_target=model off
 plain sampling).
+
+task.inner_steps = k > 1 reuses each rollout for k optimiser steps (GRPO num_iterations, PPO epochs). Step i of a
+rollout (i = global_step mod k) trains on samples from pi_old, the policy at step 0 of the rollout. The reward term
+is then PPO's clipped surrogate with the per-token ratio w_t = pi_s(y_t|y_<t) / pi_s,old(y_t|y_<t) and the
+rollout's advantage A (fixed for the rollout), aggregated as task.loss_agg (seq_sum shown):
+
+    loss_reward = -mean_i sum_t min(w_t A_i, clip(w_t, 1 - clip_eps, 1 + clip_eps) A_i)
+
+At w = 1 (step 0) its gradient is the on-policy one. The KL term is beta x the configured gradient estimator on a
+KLBatch that carries old_logp (schema.py admits only estimators that correct for pi_old). The rollout lives in
+memory only: schema.py requires task.val_every and task.max_steps to be multiples of k, so every checkpoint falls
+on a rollout boundary and a resume draws the next rollout exactly as the uninterrupted run does.
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, replace
 
 import lightning.pytorch as pl
 import torch
 
 from klbench.estimators import gradient_estimator, value_estimator
-from klbench.estimators.advantages import advantage, reward_loss
+from klbench.estimators.advantages import advantage, ppo_reward_loss, reward_loss
 from klbench.estimators.mismatch import MISMATCH_CHI2_LARGE, mismatch_metrics
-from klbench.estimators.values import REPORTED as REPORTED_VALUES
+from klbench.estimators.options import REPORTED_VALUES
 from klbench.tasks.kl_control import build_kl_control
 from klbench.models.policies import Policy, Rollout, has_distributions, token_entropy
-from klbench.tasks.offpolicy import off_policy_step
 from klbench.tasks.step import backward_in_parts
 
-# train/kl_<label>: value estimator name and options, all on the same batch
-LOGGED_VALUES = REPORTED_VALUES
+
+@dataclass
+class CachedRollout:
+    """task.inner_steps > 1: what the later steps of a rollout reuse from its step 0 (pi_old)."""
+    ro: Rollout
+    reward: torch.Tensor  # [B]
+    adv: torch.Tensor  # [B] task.advantage
+    old_logp: torch.Tensor  # [B, T] the KL batch's behaviour log-probs at the rollout, detached
+    old_sampler_logp: torch.Tensor  # [B, T] log pi_s,old of the sampled tokens (the reward's PPO ratio), detached
 
 
 class RLTask(pl.LightningModule):
@@ -42,7 +62,7 @@ class RLTask(pl.LightningModule):
         self.cfg = dict(task_cfg)
         # the KL fused into the reward before the advantage (in_reward kl_norm=fused): no separate KL term
         self.fused = getattr(self.estimator, "options", {}).get("kl_norm") == "fused"
-        self.values = {label: value_estimator(name, **o) for label, (name, o) in LOGGED_VALUES.items()}
+        self.values = {label: value_estimator(name, **o) for label, (name, o) in REPORTED_VALUES.items()}
         line = getattr(policy, "scoring_line", None)  # a language model says how it scores, once
         if line is not None:
             reads = getattr(self.estimator, "reads_logits", False)
@@ -52,46 +72,75 @@ class RLTask(pl.LightningModule):
         self.val_rows: list[dict] = []
         self.sample_tables: list[tuple[int, list[dict]]] = []
         self.last_logged: dict[str, float] = {}  # the latest value of each train/ metric
-        self.cached_rollout = None  # task.inner_steps > 1: the rollout the current steps reuse
+        self.cached_rollout: CachedRollout | None = None  # task.inner_steps > 1: the rollout the steps reuse
         self.metrics_read = True  # on_fit_start: whether a logger or a step bar reads the train/ metrics
 
-    # ---- training ----
+    # ---- training: one optimiser step ----
+
+    def training_step(self, prompts: list[str], batch_idx: int) -> torch.Tensor:
+        step, k = self.global_step, self.inner_steps
+        i = step % k  # the step's place in its rollout: 0 draws a fresh one (on-policy), > 0 reuses pi_old's
+        ro, reward = self.step_rollout(prompts, step, i)
+        where = f"step {step}" if k == 1 else f"step {step} (step {i} of its rollout)"
+        scoring = self.policy.scoring(ro, self.micro_batch_size, self.needs_kappa(step))
+        # backward runs here, a micro-batch at a time (klbench/tasks/step.py); Lightning's own then applies its sum
+        batch, loss, (n_clamped, slogp, pi_old, ppo_stats) = backward_in_parts(
+            self.policy, scoring, lambda b: self.step_loss(b, ro, reward, i, where))
+        if k > 1 and i == 0:
+            self.cached_rollout = CachedRollout(ro, reward, *pi_old)
+        if self.logging_step(step):
+            # value estimators assume y ~ pi: off-policy steps (i > 0) log the reward, loss and length only
+            self.log_train(batch, reward, ro, loss, n_clamped, slogp, on_policy=i == 0, extra=ppo_stats)
+        self._control_beta(batch)  # kl_ctl=fixed only at k > 1 (schema.py): nothing is read off-policy
+        return loss
+
+    def step_rollout(self, prompts: list[str], step: int, i: int) -> tuple[Rollout, torch.Tensor]:
+        """(the rollout, its rewards [B]) of a step: drawn now at a rollout's first step, else the cached one."""
+        if i == 0:
+            ro = self.policy.rollout(prompts, self.cfg["n_samples"])
+            return ro, self.rewards(ro)
+        if self.cached_rollout is None:
+            raise RuntimeError(f"step {step} is step {i} of a rollout, but no rollout is cached: a checkpoint off a "
+                               f"rollout boundary? task.val_every and task.max_steps must be multiples of "
+                               f"{self.inner_steps}")
+        return self.cached_rollout.ro, self.cached_rollout.reward
+
+    def step_loss(self, batch, ro: Rollout, reward: torch.Tensor, i: int, where: str) -> tuple[torch.Tensor, tuple]:
+        """The step's loss on a whole batch (klbench.tasks.step.backward_in_parts), and (the estimator's clamp
+        count, the scorer's log pi_s [B, T] detached, pi_old's (adv, old_logp, old_sampler_logp) at task.inner_steps
+        > 1, PPO's ratio statistics). i: the step's place in its rollout (always 0 at task.inner_steps=1)."""
+        slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
+        slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
+        if self.inner_steps == 1:  # on-policy: REINFORCE on log pi_s
+            adv = self.reward_advantage(batch, reward, ro.group)  # [B]
+            loss, n_clamped = self.total_loss(batch, reward_loss(adv, slogp, batch.mask, *self.loss_agg), where)
+            return loss, (n_clamped, slogp.detach(), None, {})
+        if i == 0:  # pi_old is this very policy: the behaviour log-probs are the batch's own, detached
+            # (log pi_s for kl_target=model off plain sampling, which the batch carries already)
+            old = batch.old_logp if batch.old_logp is not None else batch.logp.detach()
+            old_s, adv = slogp.detach(), self.reward_advantage(batch, reward, ro.group)
+        else:
+            c = self.cached_rollout
+            old, old_s, adv = c.old_logp, c.old_sampler_logp, c.adv
+        loss_reward, stats = ppo_reward_loss(slogp, old_s, batch.mask, adv, float(self.cfg["clip_eps"]), self.loss_agg)
+        loss, n_clamped = self.total_loss(replace(batch, old_logp=old), loss_reward, where)
+        return loss, (n_clamped, slogp.detach(), (adv, old, old_s), stats)
 
     def rewards(self, ro: Rollout) -> torch.Tensor:
+        """[B] the reward of each response (zeros without a reward: distillation)."""
         if self.reward_fn is None:
             return torch.zeros(len(ro.texts), device=self.device)
-        r = self.reward_fn(ro)
-        return r.to(self.device, torch.float32)
+        return self.reward_fn(ro).to(self.device, torch.float32)
 
     def judged(self, ro: Rollout) -> dict[str, torch.Tensor]:
         """[B] per-response indicators of a verifiable reward (reward=answer: accuracy, no_answer); else none."""
         judge = getattr(self.reward_fn, "judge", None)
         return {} if judge is None else {k: v.to(self.device) for k, v in judge(ro).items()}
 
-    def training_step(self, prompts: list[str], batch_idx: int) -> torch.Tensor:
-        if self.cfg.get("inner_steps", 1) > 1:  # several optimiser steps per rollout: klbench/tasks/offpolicy.py
-            return off_policy_step(self, prompts)
-        ro = self.policy.rollout(prompts, self.cfg["n_samples"])
-        reward = self.rewards(ro)  # [B]
-        scoring = self.policy.scoring(ro, self.micro_batch_size, self.needs_kappa(self.global_step))
-        where = f"step {self.global_step}"
-        # backward runs here, a micro-batch at a time (klbench/tasks/step.py); Lightning's own then applies its sum
-        batch, loss, (n_clamped, slogp) = backward_in_parts(self.policy, scoring,
-                                                            lambda b: self.rl_loss(b, ro, reward, where))
-        if self.logging_step(self.global_step):
-            self._log_train(batch, reward, ro, loss, n_clamped, slogp)
-        self._control_beta(batch)
-        return loss
-
-    def rl_loss(self, batch, ro: Rollout, reward: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple]:
-        """The step's loss on a whole batch (klbench.tasks.step.backward_in_parts), and (the estimator's clamp
-        count, the scorer's log pi_s [B, T] detached)."""
-        slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
-        slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
-        adv = self.reward_advantage(batch, reward, ro.group)  # [B]
-        loss_reward = reward_loss(adv, slogp, batch.mask, *self.loss_agg)
-        loss, n_clamped = self.total_loss(batch, loss_reward, where)
-        return loss, (n_clamped, slogp.detach())
+    @property
+    def inner_steps(self) -> int:
+        """task.inner_steps: optimiser steps per rollout (1: on-policy)."""
+        return int(self.cfg.get("inner_steps", 1))
 
     def needs_kappa(self, step: int) -> bool:
         """Whether a step's scoring computes the exact per-position KL: the estimator differentiates it, or the step
@@ -172,12 +221,22 @@ class RLTask(pl.LightningModule):
         return loss, None if est is None else est.n_clamped
 
     @torch.no_grad()
-    def _log_train(self, batch, reward, ro, loss, n_clamped, slogp=None) -> None:
-        """slogp: [B, T] the scorer's log pi_s (Policy.sampler_logp), for train/logp_gap_*."""
+    def log_train(self, batch, reward, ro, loss, n_clamped, slogp=None, on_policy: bool = True,
+                  extra: dict | None = None) -> None:
+        """slogp: [B, T] the scorer's log pi_s (Policy.sampler_logp), for train/logp_gap_*. on_policy: False on a
+        rollout's later steps (task.inner_steps > 1), whose samples come from pi_old: the reward, the loss and the
+        length only. extra: more metrics of the step (PPO's ratio statistics)."""
+        m = {"train/reward": reward.mean(), "train/loss": loss.detach(),
+             "train/response_len": batch.mask.sum(-1).float().mean(), **(extra or {})}
+        if n_clamped is not None:
+            m["train/n_clamped"] = float(n_clamped)
+        if not on_policy:
+            self._log_now(m)
+            return
         # value estimators that assume y ~ pi are left out on a behaviour batch (kl_target=model off plain sampling)
         off = batch.is_off_policy
-        m = {f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
-             if (label != "rb" or has_distributions(batch)) and (not off or est.supports_off_policy())}
+        m.update({f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
+                  if (label != "rb" or has_distributions(batch)) and (not off or est.supports_off_policy())})
         if ro.sample_logp is not None and slogp is not None:
             # the sampler's own log pi_s against the scoring pass's, real tokens only: 0 where both run the same
             # arithmetic (float32 on CPU), not in bf16 with SDPA (docs/sampling.md, "Sampler and scorer")
@@ -187,16 +246,11 @@ class RLTask(pl.LightningModule):
                 # the meter: k1, k3 and chi^2 of pi_s as sampled against pi_s as scored (docs/mismatch.md)
                 m.update({f"train/{k}": v for k, v in
                           mismatch_metrics(ro.sample_logp.to(slogp.dtype), slogp.detach(), batch.mask).items()})
-        m["train/reward"] = reward.mean()
         for key, v in self.judged(ro).items():  # no_answer: how many of the step's responses had none
             m[f"train/{key}"] = v.sum() if key == "no_answer" else v.mean()
-        m["train/loss"] = loss.detach()
-        m["train/response_len"] = batch.mask.sum(-1).float().mean()
         entropy = token_entropy(batch)  # [B, T] or None
         if entropy is not None:
             m["train/entropy"] = entropy.sum() / batch.mask.sum()
-        if n_clamped is not None:
-            m["train/n_clamped"] = float(n_clamped)
         self._log_now(m)
 
     def on_train_end(self) -> None:
