@@ -1,18 +1,36 @@
 """The tasks, found by name: one registry through which the entry point (klbench.tasks.train.run) runs every
-task. A runner is named as "module:function" and imported only when its task runs: a tabular RL run never
-imports the probe's plots or the pretraining code, and the runners may import this package without a circle."""
+task. Each runner below imports its module only when its task runs: a tabular RL run never imports the probe's
+plots or the pretraining code, and the task modules may import this package without a circle."""
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-TASKS = {
-    "rl": "klbench.tasks.train:run_training",  # KL-regularised RL (klbench.tasks.rl.RLTask in a Trainer)
-    "distill": "klbench.tasks.train:run_training",  # RL with beta = 1 toward the teacher, by default no reward
-    "pretrain": "klbench.tasks.pretrain:run_task",  # builds the embedded LM of model=embedded
-    "probe": "klbench.tasks.probe:run_task",  # measures every estimator on a policy/reference pair
+
+def run_training(cfg: DictConfig) -> dict[str, float]:
+    """task=rl, task=distill: one run of klbench.tasks.rl.RLTask in a Lightning Trainer (klbench/tasks/train.py)."""
+    from klbench.tasks import train
+    return train.run_training(cfg)
+
+
+def run_pretrain(cfg: DictConfig) -> dict[str, float]:
+    """task=pretrain: builds the embedded LM of model=embedded (klbench/tasks/pretrain.py)."""
+    from klbench.tasks import pretrain
+    return pretrain.run_pretrain(cfg)
+
+
+def run_probe(cfg: DictConfig) -> dict[str, float]:
+    """task=probe: measures every estimator on a policy/reference pair (klbench/tasks/probe.py)."""
+    from klbench.tasks import probe
+    return probe.run_probe(cfg)
+
+
+TASKS: dict[str, Callable[[DictConfig], dict[str, float]]] = {
+    "rl": run_training,  # KL-regularised RL
+    "distill": run_training,  # RL with beta = 1 toward the teacher, by default no reward
+    "pretrain": run_pretrain,
+    "probe": run_probe,
 }
 # the tasks that train: they answer a sweep with (val/reward, val/seq_kl)
 TRAINING = ("rl", "distill")
@@ -22,8 +40,7 @@ def runner(name: str) -> Callable[[DictConfig], dict[str, float]]:
     """The function that runs task `name` on a checked config and returns its metrics."""
     if name not in TASKS:
         raise ValueError(f"task.name={name!r} is unknown; valid: {', '.join(TASKS)}")
-    module, _, function = TASKS[name].partition(":")
-    return getattr(importlib.import_module(module), function)
+    return TASKS[name]
 
 
 def build_task(cfg: DictConfig, policy, reward):

@@ -11,7 +11,7 @@ import shutil
 from klbench.models.embedded import embedded_lm_dir, ensure_embedded_lm, preset_spec
 
 
-def run_task(cfg) -> dict[str, float]:
+def run_pretrain(cfg) -> dict[str, float]:
     if cfg.model.kind != "embedded":
         raise ValueError(f"task=pretrain builds the embedded LMs: it needs model=embedded, got model.kind={cfg.model.kind}")
     spec = preset_spec(cfg.model.preset, cfg.model.spec)

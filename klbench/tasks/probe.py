@@ -40,7 +40,7 @@ def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
     return val[:n]
 
 
-def run_task(cfg: DictConfig) -> dict[str, float]:
+def run_probe(cfg: DictConfig) -> dict[str, float]:
     """task=probe: build the pair, probe it, write and record tables and plots; returns the headline metrics."""
     from klbench.console import messages as console
     from klbench.models.policies import build_policy, sampling_params, sampling_text, task_sampling
