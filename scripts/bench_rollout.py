@@ -3,6 +3,7 @@ docs/running.md, "Speed").
 
     python scripts/bench_rollout.py [--model PATH] [--rounds 15] [--threads N] [--steps 50] [--floor-only]
     python scripts/bench_rollout.py --floor-only --steps 50     # the floor and the bare job only
+    python scripts/bench_rollout.py --random qwen2-0.5b --rollout-only --rows 4 --new-tokens 64 --rounds 5
 
 On the issue-22 peer job's shapes (8 prompts x 4 samples x 32 new tokens; the tiny GPT-2 that
 scripts/bench_trl_peer.py builds under outputs/.bench, or any causal LM folder with --model), interleaved
@@ -24,6 +25,10 @@ round by round so that a change in the machine's load hits every variant alike:
 - the bare job (with --floor-only): the same job as a plain script in a process of its own, timed start to exit:
   the floor's step from Python, VADER, the job's gradient clipping and its two validations, no framework. What
   klbench's whole process takes beyond it is Hydra's, Lightning's and klbench's own.
+--random SHAPE builds a random-weight model of a real model's shape (RANDOM_SHAPES: Qwen2-0.5B, GPT-2 small,
+GPT-2 large) with from_config, saves it under /tmp/klbench-bench with a small BPE tokenizer and loads it through
+klbench's loader: the rollout at a real size, offline. --rollout-only times the rollouts alone (--rows prompts,
+one sample each, --new-tokens steps).
 Prints the machine, the threads, the load average, each variant's median and its ratio to the first.
 """
 from __future__ import annotations
@@ -46,6 +51,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS, SAMPLES, NEW_TOKENS = 8, 4, 32
+# the shapes of real models, for --random (random weights: a rollout's cost does not depend on them)
+RANDOM_SHAPES = {
+    "qwen2-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                       max_position_embeddings=32768),
+    "gpt2-small": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
+    "gpt2-large": dict(model_type="gpt2", n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024),
+}
 
 
 def timed(fn) -> float:
@@ -72,6 +85,29 @@ def report(title: str, medians: dict[str, float], unit: float = 1e3, label: str 
         print(f"  {name:44s} {m * unit:9.3f} {label}  {m / base:5.2f}x")
 
 
+def random_model(shape: str) -> str:
+    """A save_pretrained folder of RANDOM_SHAPES[shape] with random weights (seed 0) and a 2,000-token BPE on
+    generated reviews, under /tmp/klbench-bench, built once. Returns its path."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from klbench.models.embedded.build import train_tokenizer
+    from klbench.models.embedded.corpus import generate_reviews
+
+    path = Path("/tmp/klbench-bench") / shape
+    if (path / "config.json").exists():
+        return str(path)
+    spec = dict(RANDOM_SHAPES[shape])
+    tok = train_tokenizer(generate_reviews(300, seed=0), 2000)
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec, bos_token_id=tok.bos_token_id,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    print(f"built {shape}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters -> {path}")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a causal LM folder (default: the peer job's GPT-2 under outputs/.bench)")
@@ -81,12 +117,22 @@ def main() -> None:
     p.add_argument("--floor-only", action="store_true",
                    help="only the floor and the bare job, ending with lines `floor_seconds S` and `bare_seconds S` "
                         "(scripts/bench_trl_peer.py --floor)")
+    p.add_argument("--random", choices=sorted(RANDOM_SHAPES),
+                   help="a random-weight model of this shape, built under /tmp/klbench-bench (instead of --model)")
+    p.add_argument("--rollout-only", action="store_true", help="time the rollouts only")
+    p.add_argument("--rows", type=int, help="with --rollout-only: this many prompts, one sample each")
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens per rollout (default {NEW_TOKENS})")
     p.add_argument("--bare-job", action="store_true", help=argparse.SUPPRESS)  # the bare job's own process
     a = p.parse_args()
-    if a.rounds < 1 or a.steps < 1:
-        sys.exit("bench_rollout: --rounds and --steps must be >= 1")
+    if a.rounds < 1 or a.steps < 1 or a.new_tokens < 1 or (a.rows is not None and a.rows < 1):
+        sys.exit("bench_rollout: --rounds, --steps, --rows and --new-tokens must be >= 1")
+    if a.random and a.model:
+        sys.exit("bench_rollout: --random builds its own model: pass --model or --random, not both")
+    if a.rows is not None and not a.rollout_only:
+        sys.exit("bench_rollout: --rows sizes the rollouts of --rollout-only; the other parts keep the peer job's")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model_dir = a.model or next(iter(sorted(glob.glob(str(ROOT / "outputs/.bench/model-peer-gpt2-*")))), None)
+    peer = next(iter(sorted(glob.glob(str(ROOT / "outputs/.bench/model-peer-gpt2-*")))), None)
+    model_dir = random_model(a.random) if a.random else a.model or peer
     if model_dir is None:
         sys.exit("bench_rollout: no --model and no peer model under outputs/.bench: run "
                  "`python scripts/bench_trl_peer.py --pairs 1 --steps 1` once to build it, or pass --model")
@@ -99,41 +145,33 @@ def main() -> None:
     from klbench.models.embedded import embedded_prompts
     from klbench.models.hf import load_causal_lm
     from klbench.models.policies import LMPolicy
-    from klbench.models.rollout import exp_noise, generate_sample, kv_cache_sample
+    from klbench.models.rollout import exp_noise
 
     model, tok = load_causal_lm(model_dir)
-    ref, _ = load_causal_lm(model_dir)
-    enc = tok(embedded_prompts("train")[:PROMPTS], return_tensors="pt", padding=True)
-    ids = enc.input_ids.repeat_interleave(SAMPLES, 0)  # [B, P]
-    attn = enc.attention_mask.repeat_interleave(SAMPLES, 0)  # [B, P]
+    prompts, samples, new = (a.rows or PROMPTS, 1 if a.rows else SAMPLES, a.new_tokens)
+    enc = tok(embedded_prompts("train")[:prompts], return_tensors="pt", padding=True)
+    ids = enc.input_ids.repeat_interleave(samples, 0)  # [B, P]
+    attn = enc.attention_mask.repeat_interleave(samples, 0)  # [B, P]
     B, V = ids.shape[0], model.config.vocab_size
-    print(f"model: {model_dir} ({type(model).__name__}, vocab {V})")
+    print(f"model: {model_dir} ({type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+          f"parameters, vocab {V})")
     print(f"machine: {os.cpu_count()} logical cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.2f} at the start")
-    print(f"job: {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, float32, {a.rounds} rounds\n")
+    print(f"job: {prompts} prompts x {samples} samples x {new} new tokens, float32, {a.rounds} rounds\n")
+    if a.rollout_only:
+        return rollouts(model, tok, ids, attn, new, a.rounds)
+    ref, _ = load_causal_lm(model_dir)
     if a.floor_only:
-        return floor(LMPolicy(model, ref, tok, NEW_TOKENS), model_dir, a.rounds, a.steps)
+        return floor(LMPolicy(model, ref, tok, new), model_dir, a.rounds, a.steps)
 
-    def draw(sampler, **kw):
-        def run():
-            torch.manual_seed(0)
-            return sampler(model, ids, attn, NEW_TOKENS, eos_ids=V, pad_id=tok.pad_token_id, **kw).tokens  # V: no token
-        return run
-
-    rollouts = {"generate()": draw(generate_sample),
-                "kv_cache_sample, model's forward (fused=False)": draw(kv_cache_sample, fused=False),
-                "kv_cache_sample, klbench's step (default)": draw(kv_cache_sample)}
-    tokens = [fn() for fn in rollouts.values()]
-    if not all(torch.equal(t, tokens[0]) for t in tokens):
-        sys.exit("bench_rollout: the three samplers drew different tokens under one seed")
-    report(f"rollout ({NEW_TOKENS} steps, the same tokens from all three)", interleaved(rollouts, a.rounds))
+    rollouts(model, tok, ids, attn, new, a.rounds)
 
     buf = torch.empty(B, V)
     noise = {"Tensor.exponential_()": lambda: buf.exponential_(),
              "exp_noise (float64 uniform_, -log1p(-u))": lambda: exp_noise((B, V), torch.device("cpu"))}
     report(f"\nsampling noise for one step, [{B}, {V}]", interleaved(noise, a.rounds * 20), 1e6, "us")
 
-    policy = LMPolicy(model, ref, tok, NEW_TOKENS)
+    policy = LMPolicy(model, ref, tok, new)
     torch.manual_seed(0)
     ro = policy.rollout(embedded_prompts("train")[:PROMPTS], SAMPLES)
 
@@ -150,6 +188,29 @@ def main() -> None:
            interleaved({"estimator=loo": step("loo"), "estimator=rb": step("rb")}, a.rounds))
     floor(policy, model_dir, a.rounds, a.steps)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+
+
+def rollouts(model, tok, ids, attn, new: int, rounds: int) -> None:
+    """generate(), klbench's loop through the model's forward and through klbench's own step, interleaved: the
+    same tokens under one seed (else the script stops), then each one's median."""
+    from klbench.models.rollout import generate_sample, kv_cache_sample
+
+    V = model.config.vocab_size
+
+    def draw(sampler, **kw):
+        def run():
+            torch.manual_seed(0)
+            return sampler(model, ids, attn, new, eos_ids=V, pad_id=tok.pad_token_id, **kw).tokens  # V: no token
+        return run
+
+    variants = {"generate()": draw(generate_sample),
+                "kv_cache_sample, model's forward (fused=False)": draw(kv_cache_sample, fused=False),
+                "kv_cache_sample, klbench's step (default)": draw(kv_cache_sample)}
+    tokens = [fn() for fn in variants.values()]
+    if not all(torch.equal(t, tokens[0]) for t in tokens):
+        sys.exit("bench_rollout: the three samplers drew different tokens under one seed")
+    report(f"rollout ({new} steps, the same tokens from all three)", interleaved(variants, rounds))
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
 def training_step(policy, est, opt, prompts: list[str], clip: float | None = None):
@@ -174,7 +235,7 @@ def bare_job(model_dir: str, steps: int) -> None:
     from klbench.models.embedded import embedded_prompts
     from klbench.models.hf import load_causal_lm
     from klbench.models.policies import LMPolicy
-    from klbench.models.rewards import VaderReward
+    from klbench.rewards.reward import VaderReward
 
     model, tok = load_causal_lm(model_dir)
     ref, _ = load_causal_lm(model_dir)
@@ -211,7 +272,7 @@ def floor(policy, model_dir: str, rounds: int, steps: int = 50) -> None:
 
     from klbench.estimators import gradient_estimator
     from klbench.models.embedded import embedded_prompts
-    from klbench.models.rewards import VaderReward
+    from klbench.rewards.reward import VaderReward
 
     est = gradient_estimator("loo")
     opt = torch.optim.AdamW(policy.trainable(), lr=1e-4, weight_decay=0.0)
