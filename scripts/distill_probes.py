@@ -49,7 +49,7 @@ def tabular_exact(lrs: list[float], sgd: bool, steps: int = 100) -> None:
 
 
 def lm_gradients(n_batches: int) -> None:
-    from klbench.models.data import load_prompts
+    from klbench.data.prompts import load_prompts
     from klbench.estimators import gradient_estimator
     from klbench.models.policies import build_policy
     torch.manual_seed(0)

@@ -97,7 +97,7 @@ def test_good_reward_terms(tmp_path):
 
 def _task(tmp_path, overrides):
     from klbench.models.policies import build_policy
-    from klbench.models.rewards import build_reward
+    from klbench.rewards.reward import build_reward
     from klbench.tasks import build_task
     cfg = compose_cfg(tmp_path, TAB + ["logger=none"] + overrides)
     validate(cfg)

@@ -1,4 +1,4 @@
-"""reward=answer (klbench/models/answer.py): extraction, normalisation, reference answers from jsonl and HF
+"""reward=answer (klbench/rewards/answer.py): extraction, normalisation, reference answers from jsonl and HF
 datasets, bad rows, and a run that logs val/accuracy and train/no_answer."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from klbench.config.schema import ConfigError, validate
-from klbench.models.answer import AnswerReward, extract_answer, same_answer
-from klbench.models.data import load_answers
+from klbench.rewards.answer import AnswerReward, extract_answer, same_answer
+from klbench.data.prompts import load_answers
 from test_config import compose_cfg
 from test_schema import jsonl
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from klbench.models.answer import extract_answer, same_answer
+from klbench.rewards.answer import extract_answer, same_answer
 from klbench.models.embedded.arith import (PROMPT, ArithAnswers, _is_val, arith_answer, arith_prompts,
                                            generate_arith, worked_answer)
 

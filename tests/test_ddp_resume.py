@@ -1,4 +1,4 @@
-"""hardware=ddp resumes exactly: each rank continues its own share of the prompts (klbench.models.data.EpochShuffle
+"""hardware=ddp resumes exactly: each rank continues its own share of the prompts (klbench.data.prompts.EpochShuffle
 with rank and world) and its own random stream (every rank's RNG state in the checkpoint, each rank seeded apart:
 klbench/tasks/sharding.py). A 2-process CPU run (tiny Llama folder) stopped at a validation and resumed ends with the
 uninterrupted run's metrics."""
@@ -20,7 +20,7 @@ def test_each_rank_continues_its_own_share_of_the_prompts():
     around the one-process order (so fresh ddp runs draw what they drew); started at step s, each rank continues."""
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-    from klbench.models.data import EpochShuffle
+    from klbench.data.prompts import EpochShuffle
     n, bs, seed, world = 23, 2, 7, 2
     per_epoch = -(-n // world) // bs
 

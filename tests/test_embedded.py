@@ -15,7 +15,7 @@ from klbench.models.embedded.build import train_tokenizer
 from klbench.models.embedded.corpus import embedded_prompts, generate_reviews
 from klbench.models.hf import check_same_vocab, load_causal_lm
 from klbench.models.rollout import position_ids_from_mask
-from klbench.models.rewards import HFClassifierReward, VaderReward
+from klbench.rewards.reward import HFClassifierReward, VaderReward
 
 # A spec small enough to pretrain in a couple of seconds: only the plumbing is under test.
 TINY = {"name": "tiny", "corpus_size": 200, "corpus_seed": 0, "positive_fraction": 0.5, "vocab_size": 300,

@@ -280,7 +280,7 @@ def test_a_sweep_whose_parent_ends_failed_does_not_exit_0(tmp_path):
 def test_empty_blank_or_nan_reference_answers_are_refused(tmp_path, answer):
     """Such prompts can never score under reward=answer; they were accepted without a word."""
     from klbench.config.errors import ConfigError
-    from klbench.models.data import load_answers
+    from klbench.data.prompts import load_answers
     from test_answer import _ds
     rows = ['{"q": "1+1=", "a": "2"}', f'{{"q": "2+5=", "a": {answer}}}']
     (train := tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")

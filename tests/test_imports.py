@@ -135,7 +135,7 @@ def test_the_tabular_model_is_known_in_one_place():
     (klbench.models.policies.Policy), never for its type: only policies.py and tabular.py touch the tabular
     model, rewards.py hands it to the tabular reward, and exact/mismatch.py perturbs its tables (the sampler's side
     of a training-inference mismatch is the exact model's own)."""
-    allowed = {"klbench.models.policies", "klbench.exact.tabular", "klbench.models.rewards", "klbench.exact.mismatch"}
+    allowed = {"klbench.models.policies", "klbench.exact.tabular", "klbench.rewards.reward", "klbench.exact.mismatch"}
     leaks = []
     for module, path in module_names().items():
         if module in allowed:
@@ -159,14 +159,17 @@ LAYERS = {
     "record": set(),
     "console": {"record"},
     "models": {"estimators", "exact", "console"},
+    "data": {"models"},  # prompts: the embedded corpus and sums live with the embedded LMs
+    "rewards": {"exact", "models", "data"},  # reward=answer reads the dataset's reference answers
     "probe": {"estimators", "exact", "models", "console"},
     "analysis": {"exact", "record", "console"},
-    "tasks": {"estimators", "exact", "models", "probe", "record", "console", "config", "libraries"},
-    "config": {"estimators", "probe", "models", "record"},  # the edge: options are declared below it
+    "tasks": {"estimators", "exact", "models", "data", "rewards", "probe", "record", "console", "config", "libraries"},
+    "config": {"estimators", "probe", "models", "data", "rewards", "record"},  # the edge: options are declared below it
     "libraries": {"estimators", "exact", "record", "analysis", "console"},
     "integrations": {"estimators"},  # klbench inside TRL / verl; nothing of klbench imports it
-    "sweep": {"estimators", "exact", "models", "record", "console", "analysis", "config", "tasks"},
-    "cli": {"estimators", "exact", "record", "console", "models", "probe", "analysis", "tasks", "config", "sweep"},
+    "sweep": {"estimators", "exact", "models", "rewards", "record", "console", "analysis", "config", "tasks"},
+    "cli": {"estimators", "exact", "record", "console", "models", "data", "rewards", "probe", "analysis", "tasks",
+            "config", "sweep"},
 }
 SHARED = {"klbench.config.errors", "klbench.config"}  # klbench.config: a docstring, set up on the way
 

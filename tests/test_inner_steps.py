@@ -34,7 +34,7 @@ def test_inner_steps_1_is_the_unchanged_path(tmp_path, monkeypatch):
 
 def _module(tmp_path, overrides):
     from klbench.models.policies import build_policy
-    from klbench.models.rewards import build_reward
+    from klbench.rewards.reward import build_reward
     from klbench.tasks import build_task
     cfg = compose_cfg(tmp_path, TABULAR + ["logger=none", "task.log_every=1000"] + overrides)
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache)

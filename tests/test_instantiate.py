@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from klbench.models.policies import LMPolicy, Rollout, TabularPolicy, build_policy
-from klbench.models.rewards import build_reward
+from klbench.rewards.reward import build_reward
 from klbench.tasks import TASKS, TRAINING, build_task, runner
 from klbench.tasks.train import build_data, build_trainer, check_config
 from klbench.record.tracking import build_logger

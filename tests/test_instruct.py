@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from klbench.config.errors import ConfigError
-from klbench.models.data import load_prompts
+from klbench.data.prompts import load_prompts
 from klbench.models.policies import build_policy
 from klbench.tasks.train import build_data, check_config
 from test_config import compose_cfg

@@ -108,7 +108,7 @@ def test_prompt_order_is_the_shuffled_loaders_and_a_resume_continues_it():
     (the same prompts in the same steps as before it existed), and started at step s it continues them."""
     from torch.utils.data import DataLoader
 
-    from klbench.models.data import EpochShuffle
+    from klbench.data.prompts import EpochShuffle
     n, bs, seed = 23, 4, 7
     old = DataLoader(list(range(n)), batch_size=bs, shuffle=True, drop_last=True, collate_fn=list,
                      generator=torch.Generator().manual_seed(seed))

@@ -10,7 +10,7 @@ import torch
 
 from klbench.config.schema import ConfigError, validate
 from klbench.models.policies import ScoredBatch, build_policy, task_sampling, token_entropy
-from klbench.models.rewards import build_reward
+from klbench.rewards.reward import build_reward
 from klbench.tasks import build_task
 from klbench.tasks.train import run
 from test_config import compose_cfg

@@ -224,7 +224,7 @@ def test_a_model_folder_that_is_not_a_causal_lm_names_the_setting(bad_model_fold
 @pytest.mark.parametrize("case,says", [("missing", "does not exist"), ("empty", "is empty"),
                                        ("garbage", "is not valid JSON")])
 def test_a_reward_folder_that_is_not_a_classifier_names_the_setting(bad_model_folders, case, says):
-    from klbench.models.rewards import HFClassifierReward
+    from klbench.rewards.reward import HFClassifierReward
     with pytest.raises(MissingInput, match=f"reward.name_or_path.*{says}"):
         HFClassifierReward(str(bad_model_folders / case), "POSITIVE")
 
@@ -241,7 +241,7 @@ def test_a_model_folder_error_is_one_line_and_leaves_no_run_folder(tmp_path, bad
 
 def test_dataset_hf_without_datasets_says_what_to_install(tmp_path, monkeypatch):
     from test_config import compose_cfg
-    from klbench.models.data import load_prompts
+    from klbench.data.prompts import load_prompts
     cfg = compose_cfg(tmp_path, ["dataset=hf", "dataset.name=imdb"])
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails as when it is not installed
     with pytest.raises(ConfigError, match=r"dataset=hf needs the `datasets` package.*pip install 'klbench\[hf\]'"):
@@ -259,7 +259,7 @@ def test_dataset_hf_without_datasets_in_a_real_run(tmp_path, tiny_lm_dir):
 
 
 def test_jsonl_files_utf8_bom_and_directories(tmp_path):
-    from klbench.models.prompts_jsonl import read_prompts
+    from klbench.data.jsonl import read_prompts
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "fine"}\n{"text": "\xff bad"}\n')
     with pytest.raises(ValueError, match=f"{bad}:2 is not UTF-8 \\(byte 0xff at column 11\\)"):

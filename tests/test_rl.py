@@ -44,7 +44,7 @@ def test_tabular_rl_learns_and_logs_to_mlflow(tmp_path):
 
 def test_tabular_val_seq_kl_is_exact(tmp_path):
     from klbench.models.policies import build_policy
-    from klbench.models.rewards import build_reward
+    from klbench.rewards.reward import build_reward
     from klbench.tasks import build_task
     from klbench.tasks.train import build_data
     cfg = compose_cfg(tmp_path, TABULAR + ["logger=none"])

@@ -196,7 +196,7 @@ def test_pretrain_checks_only_the_model(tmp_path):
     raises_naming(compose_cfg(tmp_path, ["task=pretrain", "model.spec.steps=0"]), "model.spec.steps")
 
 
-# ---- jsonl datasets: read by the one reader klbench.models.data uses too ----
+# ---- jsonl datasets: read by the one reader klbench.data.prompts uses too ----
 
 def test_jsonl_bad_line_gives_path_and_line(tmp_path):
     over = jsonl_overrides(tmp_path)
@@ -227,7 +227,7 @@ def test_jsonl_missing_file_and_too_few_prompts(tmp_path):
 
 
 def test_data_reads_jsonl_with_the_same_reader(tmp_path):
-    from klbench.models.data import load_prompts
+    from klbench.data.prompts import load_prompts
     cfg = compose_cfg(tmp_path, jsonl_overrides(tmp_path))
     train, val = load_prompts(cfg.dataset)
     assert train == [f"p{i}" for i in range(8)] and val == ["v"]

@@ -266,7 +266,7 @@ def log_pareto(client: MlflowClient, run_id: str, points: Any, exact_frontier: F
 
 def exact_frontier_of(points: Sequence[dict]) -> Frontier | None:
     """The exact reward-vs-KL frontier the runs share, rebuilt from their logged params as the trials built
-    it (klbench.models.policies, the tabular model with no teacher; klbench.models.rewards): None unless
+    it (klbench.models.policies, the tabular model with no teacher; klbench.rewards.reward): None unless
     every run is `model=tabular reward=tabular` with the same model and reward."""
     keys = ("model.kind", "reward.kind", "model.K", "model.T", "model.eos", "model.ref_seed", "model.ref_scale",
             "reward.seed", "reward.scale")

@@ -32,8 +32,8 @@ from klbench.estimators.options import (ADVANTAGES, GROUP_ADVANTAGES, LOSS_AGGS,
                                         LibraryOptions, Options, TopKTailOptions, TopKTruncOptions, VOPDOptions,
                                         setting_task)
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
-from klbench.models.answer import EXTRACTS
-from klbench.models.prompts_jsonl import read_prompts, read_rows
+from klbench.rewards.answer import EXTRACTS
+from klbench.data.jsonl import read_prompts, read_rows
 from klbench.probe.config import ProbeOptions, StepProbeOptions
 
 Str = Annotated[str, Field(min_length=1)]
@@ -315,7 +315,7 @@ Model = Union[ModelEmbedded, ModelHF, ModelTabular]
 # ---- dataset ----
 
 class DatasetOptions(Options):
-    """What every prompt source shares: instruct models' chat templates (klbench.models.chat, docs/instruct.md)."""
+    """What every prompt source shares: instruct models' chat templates (klbench.data.chat, docs/instruct.md)."""
     chat_template: bool = False  # true: render each prompt with the tokenizer's chat template
     system_prompt: Optional[str] = None  # a system turn before each prompt; needs chat_template=true
 
@@ -402,7 +402,7 @@ def _regex_ok(v: Any) -> bool:
 
 
 class RewardAnswer(Options):
-    """A verifiable reward (klbench/models/answer.py): 1 where the response's final answer equals the prompt's
+    """A verifiable reward (klbench/rewards/answer.py): 1 where the response's final answer equals the prompt's
     reference answer (dataset.answer_field), else 0; plus format_reward where an answer could be extracted at all."""
     kind: Literal["answer"]
     # last_number | gsm8k (after ####) | boxed (\boxed{...}) | regex (reward.pattern)
@@ -849,7 +849,7 @@ def _check_kl_ctl(t: TaskRL, c: BaseModel) -> None:
 def _check_context(cfg: DictConfig) -> None:
     """An embedded LM's context holds the prompt and the response: task.max_new_tokens must leave room for a
     prompt. (An hf model's context is known once its config is loaded: klbench.models.policies.build_policy; the
-    prompts' lengths once they are tokenized: klbench.models.data.check_prompt_lengths.)"""
+    prompts' lengths once they are tokenized: klbench.data.prompts.check_prompt_lengths.)"""
     from klbench.models.embedded.spec import preset_spec  # plain Python, like this module
     m = cfg.task.max_new_tokens
     for who in ("model", "teacher"):

@@ -297,7 +297,7 @@ class TabularModel:
 def rl_frontier(K: int, T: int, eos: int | None, ref_seed: int, ref_scale: float, reward_seed: int,
                 reward_scale: float) -> "Frontier":
     """The exact frontier of RL on the tabular model and reward with these settings (model.* and reward.* of
-    `model=tabular reward=tabular`), built as klbench.models.policies and klbench.models.rewards build them:
+    `model=tabular reward=tabular`), built as klbench.models.policies and klbench.rewards.reward build them:
     what klbench-pareto draws for runs it knows only by their logged params."""
     model = TabularModel(K, T, eos=eos, seed=ref_seed, ref_scale=ref_scale)
     return model.pareto_frontier(TabularReward(model, seed=reward_seed, scale=reward_scale).table)

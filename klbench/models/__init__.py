@@ -1,4 +1,4 @@
-"""Policies, Hugging Face and embedded models, rewards and prompt data."""
+"""Policies, Hugging Face and embedded models: rollouts and their scoring (prompt data: klbench.data; rewards: klbench.rewards)."""
 from klbench.models import lazy_scipy
 
 # the dtypes a model loads in (model.dtype), by torch's name: klbench.models.hf maps them to torch's dtypes,

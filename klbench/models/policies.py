@@ -159,7 +159,7 @@ class LMPolicy(Policy):
         self.model, self.ref, self.tok = model, ref_model, tokenizer
         self.ref.requires_grad_(False)
         self.max_new_tokens = max_new_tokens
-        # False for prompts a chat template rendered (klbench.models.chat): they hold their BOS already
+        # False for prompts a chat template rendered (klbench.data.chat): they hold their BOS already
         self.add_special_tokens = True
         if isinstance(sampler, str) and sampler not in SAMPLERS:
             raise ValueError(f"LMPolicy: sampler must be one of {sorted(SAMPLERS)} or a Sampler, got {sampler!r}")

@@ -22,7 +22,7 @@ def exact_frontier(config: DictConfig):
         log.info("no exact frontier: the sweep changes %s, so trials do not share one", swept)
         return None
     from klbench.models.policies import build_policy, task_sampling
-    from klbench.models.rewards import build_reward
+    from klbench.rewards.reward import build_reward
     sampling, target = task_sampling(config.task)  # the trials' sampling: the frontier is that of their target
     policy = build_policy(model, max_new_tokens=1, sampling=sampling, kl_target=target)  # tabular: no disk
     return policy.exact_frontier(build_reward(reward, policy))

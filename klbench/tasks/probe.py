@@ -33,7 +33,7 @@ def probe_config(options) -> ProbeOptions:
 def probe_prompts(cfg: DictConfig, policy, n: int) -> list[str]:
     if policy.fixed_prompt is not None:  # one implicit prompt: n independent groups of samples
         return [policy.fixed_prompt] * n
-    from klbench.models.data import load_prompts
+    from klbench.data.prompts import load_prompts
     _, val = load_prompts(cfg.dataset, policy)
     if len(val) < n:
         raise ValueError(f"task.prompts={n} but the dataset's val split has {len(val)} prompts")

@@ -26,14 +26,14 @@ class FSDP2Strategy(ModelParallelStrategy):
     torch.distributed.checkpoint's state-dict API on rank 0 into one file, which klbench's resume checks read, with
     every rank's RNG state (save_rank_rng): an exact resume needs as many ranks (rank_rng refuses others)."""
 
-    whole_batches = True  # every rank loads each batch whole (klbench.models.data: no share of the prompts)
+    whole_batches = True  # every rank loads each batch whole (klbench.data.prompts: no share of the prompts)
 
     def __init__(self, world: int, mp_policy):
         super().__init__(data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False)
         self.mp_policy = mp_policy
 
     def batch_to_device(self, batch, device=None, dataloader_idx: int = 0):
-        # every rank loads the step's whole batch of prompts (no distributed sampler: klbench.models.data.EpochShuffle
+        # every rank loads the step's whole batch of prompts (no distributed sampler: klbench.data.prompts.EpochShuffle
         # then resumes mid-epoch exactly) and keeps its own contiguous share: a prompt's samples stay on one rank
         if isinstance(batch, (list, tuple)) and batch:
             n, r, w = len(batch), self.global_rank, self.world_size

@@ -25,7 +25,7 @@ from klbench.console import messages as console, progress
 from klbench.record import resume, tracking
 from klbench.record.lifecycle import recorded_run
 from klbench.models.policies import build_policy, sampling_params, sampling_text, task_sampling
-from klbench.models.rewards import build_reward
+from klbench.rewards.reward import build_reward
 from klbench.config.schema import check_followed_sampling, validate
 from klbench.tasks import build_task, runner
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # LMPolicy keeps its models in eval mode on purpose (no dropout: see policies.py); Lightning's notice about it
 # would only alarm users at every run
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-# a resume draws the uninterrupted run's prompts exactly (klbench.models.data.EpochShuffle starts from the restored
+# a resume draws the uninterrupted run's prompts exactly (klbench.data.prompts.EpochShuffle starts from the restored
 # step), so Lightning's notice that the dataloader is not resumable mid-epoch is wrong for klbench's data
 warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
@@ -107,7 +107,7 @@ def _loopback(host: str) -> bool:
 def build_data(cfg: DictConfig, fixed_prompt: str | None = None, policy=None) -> pl.LightningDataModule:
     """The `dataset` group's prompts, or for a policy that ignores prompts (Policy.fixed_prompt) its one prompt.
     With `policy`, the prompts are checked against its context before anything is trained."""
-    from klbench.models.data import PromptData, check_prompt_lengths, load_prompts
+    from klbench.data.prompts import PromptData, check_prompt_lengths, load_prompts
     t = cfg.task
     if (prompt := fixed_prompt) is not None:  # the data only sets the batch shape
         # many batches per epoch, so every DDP process gets full batches after the sampler splits them
@@ -223,7 +223,7 @@ def shown_uses(cfg: DictConfig, policy) -> dict[str, str]:
     lines = [f"a response ends at the token {stops}" if len(policy.eos_ids) == 1 else
              f"a response ends at any of the tokens {stops}"]
     if cfg.dataset.get("chat_template"):
-        from klbench.models.chat import template_source
+        from klbench.data.chat import template_source
         uses["used.chat_template"] = template_source(tok)
         lines.append(f"prompts rendered with the chat template {uses['used.chat_template']}")
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

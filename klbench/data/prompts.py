@@ -10,13 +10,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from klbench.config.errors import ConfigError
-from klbench.models.prompts_jsonl import check_prompt, read_prompts, read_rows
+from klbench.data.jsonl import check_prompt, read_prompts, read_rows
 
 
 def load_prompts(cfg, policy=None) -> tuple[list[str], list[str]]:
     """(train, val) prompt lists for a `dataset` config. With dataset.chat_template=true each prompt is rendered
     with the tokenizer of `policy` (an LMPolicy), which from then on tokenizes prompts without adding special
-    tokens: the template wrote them (klbench.models.chat)."""
+    tokens: the template wrote them (klbench.data.chat)."""
     chat = bool(cfg.get("chat_template", False))
     if cfg.source == "embedded":
         from klbench.models.embedded.corpus import embedded_prompts
@@ -39,10 +39,10 @@ def load_prompts(cfg, policy=None) -> tuple[list[str], list[str]]:
 
 
 def _render(cfg, policy, prompts: list, split: str) -> list[str]:
-    """Prompts (texts or messages) rendered with the chat template of `policy`'s tokenizer (klbench.models.chat)."""
+    """Prompts (texts or messages) rendered with the chat template of `policy`'s tokenizer (klbench.data.chat)."""
     if getattr(policy, "tok", None) is None:
         raise ConfigError("dataset.chat_template=true needs a language model's tokenizer (model=hf or embedded)")
-    from klbench.models.chat import render_prompts
+    from klbench.data.chat import render_prompts
     return render_prompts(policy.tok, prompts, cfg.get("system_prompt"), prompt_source(cfg, split))
 
 
@@ -65,11 +65,10 @@ def prompt_source(cfg, split: str) -> str:
 
 
 def load_answers(cfg, policy=None) -> Mapping[str, str]:
-    """prompt -> reference answer (klbench.models.answer.reference_answer) of both splits of a `dataset` config
+    """prompt -> reference answer (reference_answer) of both splits of a `dataset` config
     with dataset.answer_field (reward=answer), keyed by the prompt as the rollout shows it (rendered with
     `policy`'s chat template under dataset.chat_template=true). A row without the field names the file or split,
     the row and the field; one prompt with two different answers is refused."""
-    from klbench.models.answer import reference_answer
     field, chat = cfg.get("answer_field"), bool(cfg.get("chat_template", False))
     if cfg.source == "arith":
         from klbench.models.embedded.arith import ArithAnswers
@@ -104,10 +103,16 @@ def load_answers(cfg, policy=None) -> Mapping[str, str]:
     return out
 
 
+def reference_answer(value) -> str:
+    """A dataset's answer field as a reference: the text after GSM8K's last `####` where there is one, else the
+    whole value (a number in a jsonl file is read as its text)."""
+    s = str(value)
+    return s.rsplit("####", 1)[1].strip() if "####" in s else s.strip()
+
+
 def check_references(pairs: list[tuple[object, object]], source: str, field: str) -> None:
     """A prompt whose reference answer is empty, blank or NaN (JSON's NaN, a missing value in a table turned into
     a dataset) can never score under reward=answer: refused in one line, with how many and the first."""
-    from klbench.models.answer import reference_answer
     empty = [i for i, (_, a) in enumerate(pairs)
              if a is None or (isinstance(a, float) and math.isnan(a)) or not reference_answer(a)]
     if empty:

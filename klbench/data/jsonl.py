@@ -1,8 +1,8 @@
-"""The one reader of jsonl prompt files (dataset=jsonl): used by klbench.models.data to load them and by
+"""The one reader of jsonl prompt files (dataset=jsonl): used by klbench.data.prompts to load them and by
 klbench.config.schema to check them before torch is imported, so both agree on what a valid file is.
 
 A prompt is a string, or with dataset.chat_template=true also a conversation: a list of {"role": ..., "content":
-...} dicts (the `messages` shape of chat datasets), which klbench.models.chat renders with the tokenizer's
+...} dicts (the `messages` shape of chat datasets), which klbench.data.chat renders with the tokenizer's
 template. check_prompt is the one check of both shapes, for jsonl files and HF datasets alike.
 """
 from __future__ import annotations

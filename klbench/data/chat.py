@@ -16,7 +16,7 @@ import json
 import os
 
 from klbench.config.errors import ConfigError
-from klbench.models.prompts_jsonl import Prompt
+from klbench.data.jsonl import Prompt
 
 
 def render_prompts(tok, prompts: list[Prompt], system_prompt: str | None, source: str) -> list[str]:

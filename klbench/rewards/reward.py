@@ -4,7 +4,7 @@
     VaderReward().score_texts(texts) -> [B] VADER compound score in [-1, 1] (offline, the embedded default)
     HFClassifierReward(name_or_path, label).score_texts(texts) -> [B] raw logit (or probability) of `label`
     klbench.exact.tabular.TabularReward           a reward table over the tabular model's sequences (rollout.seq_ids)
-    klbench.models.answer.AnswerReward            1 for a correct final answer (reward=answer, verifiable)
+    klbench.rewards.answer.AnswerReward            1 for a correct final answer (reward=answer, verifiable)
 
 The paper's RLHF reward is the raw logit of the POSITIVE class of
 lvwerra/distilbert-imdb; HFClassifierReward(..., score="logit") is exactly that.
@@ -105,12 +105,12 @@ class HFClassifierReward(TextReward):
 
 def build_reward(cfg, policy, dataset=None):
     """The `reward` group: vader, hf_classifier, tabular (needs the tabular policy's model), answer (needs the
-    `dataset` config whose rows hold the reference answers: klbench.models.answer) or none."""
+    `dataset` config whose rows hold the reference answers: klbench.rewards.answer) or none."""
     if cfg.kind == "none":
         return None
     if cfg.kind == "answer":
-        from klbench.models.answer import AnswerReward
-        from klbench.models.data import load_answers
+        from klbench.rewards.answer import AnswerReward
+        from klbench.data.prompts import load_answers
         if dataset is None:
             raise ValueError("reward=answer needs the dataset config, whose answer field holds the references")
         return AnswerReward(load_answers(dataset, policy), cfg.extract, cfg.get("pattern"), cfg.get("format_reward", 0.0))

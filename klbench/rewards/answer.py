@@ -80,18 +80,11 @@ def same_answer(a: str, b: str) -> bool:
     return str(x) == str(y)
 
 
-def reference_answer(value) -> str:
-    """A dataset's answer field as a reference: the text after GSM8K's last `####` where there is one, else the
-    whole value (a number in a jsonl file is read as its text)."""
-    s = str(value)
-    return s.rsplit("####", 1)[1].strip() if "####" in s else s.strip()
-
-
 class AnswerReward:
     """1 for a response whose extracted answer matches its prompt's reference answer, else 0; plus
     format_reward for every response that has an extractable answer at all (0: no format reward).
 
-    answers: prompt text -> reference answer (klbench.models.data.load_answers). `judge(ro)` gives the [B]
+    answers: prompt text -> reference answer (klbench.data.prompts.load_answers). `judge(ro)` gives the [B]
     correctness and no-answer indicators the RL task logs as accuracy and no_answer.
     """
 
