@@ -3,7 +3,8 @@ task.micro_batch_size, with the value estimators and the entropy logged or not.
 
     python scripts/bench_large_vocab.py [--vocab 151936 --tokens 512 --prompts 2 --samples 2 --steps 3]
     python scripts/bench_large_vocab.py --code /path/to/other/checkout --only loo,rb   # another commit's klbench
-    python scripts/bench_large_vocab.py --interleave 8     # rb/loo step time, side by side in one process
+    python scripts/bench_large_vocab.py --interleave 8     # rb/loo step time, side by side in one process,
+                                                           # and each step's matrix-product FLOPs
 
 Each line also prints the policy's forwards per sequence per step (the rollout's decode steps aside).
 
@@ -121,7 +122,16 @@ for r in range(rounds + 1):            # round 0 warms up
             p.grad = None
         if r:
             times[e].append(time.perf_counter() - t)
-print("RESULT " + json.dumps(times))
+# the matrix products of one step each (torch's FLOP counter: mm, addmm, bmm): a count no machine's load moves
+from torch.utils.flop_counter import FlopCounterMode
+flops = {}
+for e in estimators:
+    with FlopCounterMode(display=False) as fc:
+        tasks[e].training_step(texts, 0).backward()
+    for p in policy.trainable():
+        p.grad = None
+    flops[e] = fc.get_total_flops()
+print("RESULT " + json.dumps({"times": times, "flops": flops}))
 """
 
 
@@ -238,7 +248,8 @@ def interleaved(a, root: str, common: list[str], env: dict) -> None:
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not line:
         sys.exit(f"interleaved: failed\n{p.stderr[-3000:]}")
-    times = json.loads(line[0][7:])
+    out = json.loads(line[0][7:])
+    times, flops = out["times"], out["flops"]
     ratios = [r / l for l, r in zip(times["loo"], times["rb"])]
     print(f"V={a.vocab}, B={a.prompts * a.samples} x T={a.tokens}, {a.interleave} alternating rounds, every value "
           f"estimator and the entropy logged")
@@ -246,6 +257,8 @@ def interleaved(a, root: str, common: list[str], env: dict) -> None:
         print(f"{e:>4}: median step {statistics.median(ts):.2f} s  ({', '.join(f'{t:.2f}' for t in ts)})")
     print(f"rb / loo, round by round: median {statistics.median(ratios):.3f}x "
           f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"matrix products per step (FLOPs): loo {flops['loo'] / 1e9:.1f} G, rb {flops['rb'] / 1e9:.1f} G: "
+          f"rb / loo {flops['rb'] / flops['loo']:.3f}x")
 
 
 if __name__ == "__main__":
