@@ -1,4 +1,5 @@
-"""Typos in every group and key get klbench's one line (issue 42, item 6), from the real `klbench` process.
+"""Typos in every group and key get klbench's one line (issue 42, item 6), from the `klbench` command (run in
+this process; the two timed refusals in a real one).
 
 Hydra refused an unknown option of a required group (`estimator=rbb`) with its own 26-line block, and an
 unknown key (`task.max_step=20`) with the advice to add it as `+task.max_step=20`, a key nothing reads. Now
@@ -13,13 +14,19 @@ import sys
 import time
 
 import pytest
+
+import cli_inprocess
 from test_sweeps import cli_env
 from test_unknown_options import GROUPS
 
 
-def klbench(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+def klbench(tmp_path, *overrides: str, process: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI in this process (tests/cli_inprocess.py), or with `process` a real one: the refusals timed
+    below include Python's start and klbench's imports."""
     outputs = tmp_path / "outputs"
     t0 = time.time()
+    if not process:
+        return cli_inprocess.run(overrides, cwd=tmp_path, env=cli_env(outputs)), time.time() - t0
     proc = subprocess.run([sys.executable, "-m", "klbench.cli", *overrides], cwd=tmp_path, env=cli_env(outputs),
                           capture_output=True, text=True, timeout=120)
     return proc, time.time() - t0
@@ -67,7 +74,8 @@ def test_what_klbench_cannot_tell_better_is_still_hydras(tmp_path):
 
 
 def test_a_missing_model_folder_is_refused_before_anything_loads(tmp_path):
-    proc, took = klbench(tmp_path, "model=hf", f"model.name_or_path={tmp_path}/no/such/folder", "logger=none")
+    proc, took = klbench(tmp_path, "model=hf", f"model.name_or_path={tmp_path}/no/such/folder", "logger=none",
+                         process=True)
     assert one_line(proc).startswith(f"model.name_or_path: local path '{tmp_path}/no/such/folder' does not exist")
     assert took < 5, took
 
@@ -82,7 +90,7 @@ def test_a_folder_without_a_model_names_the_setting(tmp_path):
 def test_a_lora_target_no_module_has_is_refused_before_the_model_loads(tmp_path, tiny_arch):
     path = tiny_arch("llama")[0]
     proc, took = klbench(tmp_path, "model=hf", f"model.name_or_path={path}", "model.lora.r=4",
-                         "model.lora.target_modules=[q_proj,v_projj]", "logger=none")
+                         "model.lora.target_modules=[q_proj,v_projj]", "logger=none", process=True)
     assert one_line(proc) == (f"model.lora.target_modules=['q_proj', 'v_projj']: v_projj names no module of {path}; "
                               "its modules with a weight matrix are named ['down_proj', 'embed_tokens', 'gate_proj', "
                               "'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']")

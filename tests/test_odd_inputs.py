@@ -1,8 +1,8 @@
 """Issue 34, parts 3-5: odd paths, secrets in tracebacks, and one line (no traceback, nothing left behind)
 for what a careful user gets wrong. Each test failed on the code before the issue (checked by hand).
 
-Real `klbench` runs where the CLI's behaviour is the point (where files land, what is printed, what is
-left); in-process checks of the function that words a message everywhere else.
+Whole `klbench` runs where the CLI's behaviour is the point (where files land, what is printed, what is
+left; in this process, tests/cli_inprocess.py); in-process checks of the function that words a message everywhere else.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+import cli_inprocess
 from klbench.config.errors import ConfigError, MissingInput
 from klbench.record import store
 from klbench.record.redact import redact, redact_exception
@@ -123,9 +124,8 @@ def test_relative_tracking_uri_env_interpolation_and_a_resume_elsewhere(tmp_path
     store left there), and a last.ckpt of random bytes (not a klbench checkpoint, and what to do)."""
     outputs = tmp_path / "outputs"
     env = {**env_for(outputs), "MLFLOW_TRACKING_URI": "sqlite:///rel.db", "STEPS": "4"}
-    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "experiment=tabular", "task.val_every=2",
-                           "task.max_steps=${oc.env:STEPS,30}"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=180)
+    proc = cli_inprocess.run(["experiment=tabular", "task.val_every=2", "task.max_steps=${oc.env:STEPS,30}"],
+                             cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'rel.db'}" in proc.stdout, proc.stdout
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'rel.db'}")
@@ -136,14 +136,12 @@ def test_relative_tracking_uri_env_interpolation_and_a_resume_elsewhere(tmp_path
     other = tmp_path / "other"
     resume = ["experiment=tabular", "task.val_every=2", "task.max_steps=4", f"hydra.run.dir={run_dir}",
               "ckpt_path=last"]
-    proc = subprocess.run([sys.executable, "-m", "klbench.cli", *resume], cwd=tmp_path, capture_output=True,
-                          env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{other}/mlflow.db"}, text=True, timeout=180)
+    proc = cli_inprocess.run(resume, cwd=tmp_path, env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{other}/mlflow.db"})
     one_line(proc, run.info.run_id, f"{other}/mlflow.db", "resume with the store the run started with")
     assert not other.exists()
 
     Path(run_dir, "checkpoints", "last.ckpt").write_bytes(os.urandom(4000))
-    proc = subprocess.run([sys.executable, "-m", "klbench.cli", *resume], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+    proc = cli_inprocess.run(resume, cwd=tmp_path, env=env)
     line = one_line(proc, "is not a klbench checkpoint", "start the run again without ckpt_path")
     assert "Python objects" not in line
 
@@ -152,8 +150,7 @@ def test_a_file_store_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
     with pytest.raises(store.StoreError, match=f"is a file store.*MLFLOW_TRACKING_URI=sqlite:///{tmp_path}/mlflow.db"):
         store.open_store(store.tracking_uri())
-    proc = subprocess.run([sys.executable, "-m", "klbench.cli", *QUICK], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=180, env={**env_for(tmp_path / "outputs"),
+    proc = cli_inprocess.run(QUICK, cwd=tmp_path, env={**env_for(tmp_path / "outputs"),
                                                        "MLFLOW_TRACKING_URI": f"file:{tmp_path}/mlruns"})
     one_line(proc, "is a file store", "mlflow migrate-filestore")
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").rglob("*"))
@@ -250,10 +247,10 @@ def test_dataset_hf_without_datasets_says_what_to_install(tmp_path, monkeypatch)
 
 def test_dataset_hf_without_datasets_in_a_real_run(tmp_path, tiny_lm_dir):
     outputs = tmp_path / "outputs"
-    code = "import sys; sys.modules['datasets'] = None; from klbench.cli import main; main()"  # import fails
-    proc = subprocess.run([sys.executable, "-c", code, "model=hf", f"model.name_or_path={tiny_lm_dir}",
-                           "dataset=hf", "dataset.name=imdb", "task.max_new_tokens=8", "task.max_steps=2"],
-                          cwd=tmp_path, env=env_for(outputs), capture_output=True, text=True, timeout=180)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "datasets", None)  # `import datasets` fails, as where it is not installed
+        proc = cli_inprocess.run(["model=hf", f"model.name_or_path={tiny_lm_dir}", "dataset=hf", "dataset.name=imdb",
+                                  "task.max_new_tokens=8", "task.max_steps=2"], cwd=tmp_path, env=env_for(outputs))
     one_line(proc, "dataset=hf needs the `datasets` package", "pip install 'klbench[hf]'")
     assert not (outputs / "runs").exists() or not any((outputs / "runs").rglob("*"))
 

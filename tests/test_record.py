@@ -18,6 +18,7 @@ import mlflow
 import pytest
 import torch
 
+import cli_inprocess
 from klbench.record import runs, store
 from klbench.tasks.rl import RLTask
 from klbench.tasks.train import run
@@ -34,8 +35,8 @@ def env_for(outputs: Path) -> dict[str, str]:
 
 
 def klbench(outputs: Path, *overrides: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "klbench.cli", *overrides], cwd=outputs.parent,
-                          env=env_for(outputs), capture_output=True, text=True, timeout=timeout)
+    """The CLI in this process (tests/cli_inprocess.py): what it prints and its exit status, as a process's."""
+    return cli_inprocess.run(overrides, cwd=outputs.parent, env=env_for(outputs))
 
 
 def client_of(outputs: Path):
