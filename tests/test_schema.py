@@ -392,3 +392,17 @@ def test_every_declared_option_is_a_key_of_the_composed_config(tmp_path, overrid
     changed = compose_cfg(tmp_path, [*overrides, f"{node}.{key}={value}"])
     assert OmegaConf.select(changed, f"{node}.{key}") == value
     validate(changed)
+
+
+def test_the_off_policy_rule_is_each_gradient_estimators():
+    """The schema refuses pi_old samples (task.inner_steps > 1, kl_target=model) by the torch-free rule of
+    klbench.estimators.options; each estimator class says the same with its off_policy flag."""
+    import klbench.libraries.estimator  # noqa: F401  registers "library", as the RL task does
+    from klbench.estimators import GRADIENT_ESTIMATORS, gradient_estimator
+    from klbench.estimators.options import corrects_off_policy
+    for name, cls in GRADIENT_ESTIMATORS.items():
+        if name == "in_loss":
+            for ratio in ("none", "token", "sequence"):
+                assert corrects_off_policy(name, ratio) == gradient_estimator(name, ratio=ratio).supports_off_policy()
+        else:
+            assert corrects_off_policy(name) == cls.off_policy, name

@@ -30,7 +30,8 @@ from klbench.config.explain import explain
 from klbench.estimators.options import (ADVANTAGES, GROUP_ADVANTAGES, LOSS_AGGS, REPORTED_VALUES,
                                         ControlVariateOptions, Expect, InLossOptions, InRewardOptions,
                                         LibraryOptions, Options, TopKTailOptions, TopKTruncOptions, VOPDOptions,
-                                        setting_task)
+                                        corrects_off_policy, setting_task)
+from klbench.estimators.targets import KL_TARGETS, is_plain, truncated_model_target, truncates
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
 from klbench.rewards.answer import EXTRACTS
 from klbench.data.jsonl import read_prompts, read_rows
@@ -58,9 +59,8 @@ _ProbeFields = create_model("ProbeFields", __base__=Options,
                             **{k: (f.annotation, f) for k, f in StepProbeOptions.model_fields.items()})
 
 
-# how rollouts sample and which KL the run regularises: klbench/estimators/sampling.py (Sampling, KL_TARGETS; it
-# imports torch, so the names are repeated here and tests/test_sampling_wire.py checks that they agree)
-KL_TARGET_NAMES = ("sampler", "model", "tempered", "tempered_vs_raw")
+# how rollouts sample and which KL the run regularises: klbench/estimators/sampling.py (Sampling), with the names
+# and rules of klbench/estimators/targets.py, which this module reads without torch
 TEMPERATURE = ("a finite number > 0 (temperature 0, greedy decoding, is refused for training: it samples a point "
                "mass, on which no KL estimator is defined)")
 
@@ -76,7 +76,7 @@ class SamplingFields(Options):
     temperature: Annotated[float, Field(gt=0, allow_inf_nan=False), Expect(TEMPERATURE)] = 1.0
     top_k: Annotated[int, Field(ge=0), Expect("an integer >= 0 (0: no top-k cut)")] = 0
     top_p: Annotated[float, Field(gt=0, le=1), Expect("a number in (0, 1] (1: no top-p cut)")] = 1.0
-    kl_target: Literal[KL_TARGET_NAMES] = "sampler"
+    kl_target: Literal[tuple(KL_TARGETS)] = "sampler"
 
 
 class TaskRL(SamplingFields):
@@ -193,9 +193,6 @@ class EstimatorTopKTrunc(TopKTruncOptions, _Beta):
 
 EstimatorOption = Union[Estimator, EstimatorNaiveCV, EstimatorInReward, EstimatorInLoss, EstimatorLibrary,
                         EstimatorVOPD, EstimatorTopKTail, EstimatorTopKTrunc]
-# estimators that take samples from pi_old (task.inner_steps > 1); in_loss only with a ratio. `library` runs
-# a library's own off-policy code, which need not correct for pi_old: that is what docs/libraries.md audits
-OFF_POLICY_ESTIMATORS = ("rb", "in_reward", "in_loss", "library")
 
 
 # ---- kl_ctl: klbench.tasks.kl_control ----
@@ -764,25 +761,19 @@ def _check_chat(ds: SimpleNamespace, model: str) -> None:
                           "dataset.chat_template=false")
 
 
-def plain_sampling(t: SamplingFields) -> bool:
-    return t.temperature == 1 and t.top_k == 0 and t.top_p == 1
-
-
 def _check_sampling(t: SamplingFields, e: BaseModel | None, ctl: str | None) -> None:
     """The KL target against the sampling (klbench.estimators.sampling.check_target says the same with torch) and,
     for training, against the estimator: kl_target=model samples from a behaviour policy pi_s."""
-    if t.kl_target != "model" or plain_sampling(t):
+    if t.kl_target != "model" or is_plain(t.temperature, t.top_k, t.top_p):
         return
-    if t.top_k > 0 or t.top_p < 1:
+    if truncates(t.top_k, t.top_p):
         cut = ", ".join([f"task.top_k={t.top_k}"] * (t.top_k > 0) + [f"task.top_p={t.top_p}"] * (t.top_p < 1))
-        raise ConfigError(f"task.kl_target=model with {cut}: the truncated sampler never draws the tokens it cuts, "
-                          "so no importance weight recovers KL(pi || pi_ref); use task.kl_target=sampler, or sample "
-                          "without truncation (task.top_k=0 task.top_p=1)")
+        raise ConfigError(truncated_model_target(cut))
     if e is None:  # task=probe: its value estimators need y ~ pi, and its rollouts would be pi_s's
         raise ConfigError(f"task=probe with task.kl_target=model and task.temperature={t.temperature}: the probe "
                           "measures the estimators on its own rollouts, which would come from the tempered sampler "
                           "pi_s, not pi; probe task.kl_target=sampler, or the model's KL at task.temperature=1")
-    if e.name not in OFF_POLICY_ESTIMATORS or (e.name == "in_loss" and e.ratio == "none"):
+    if not corrects_off_policy(e.name, getattr(e, "ratio", None)):
         raise ConfigError(f"task.kl_target=model with task.temperature={t.temperature} takes samples from the "
                           f"tempered sampler pi_s, a behaviour policy, but estimator {e.name}"
                           + (" with ratio=none" if e.name == "in_loss" else "") + " assumes y ~ pi: use an "
@@ -894,7 +885,7 @@ def _check_placement(t: TaskRL, e: BaseModel, ctl: str | None) -> None:
             raise ConfigError(f"estimator.baseline=loo needs task.n_samples >= 2, got {t.n_samples}")
     k = t.inner_steps
     if k > 1:
-        if est not in OFF_POLICY_ESTIMATORS or (est == "in_loss" and e.ratio == "none"):
+        if not corrects_off_policy(est, getattr(e, "ratio", None)):
             raise ConfigError(f"task.inner_steps={k} trains on samples from the rollout's policy pi_old, but estimator "
                               f"{est}" + (" with ratio=none" if est == "in_loss" else "") + " assumes y ~ pi: use "
                               "estimator=rb, in_reward, or in_loss with estimator.ratio=token|sequence")

@@ -111,6 +111,18 @@ class LibraryOptions(Options):
                        Expect(SETTING)] = "trl.grpo"
 
 
+# the gradient estimators that correct for samples from a behaviour policy pi_old (KLBatch.old_logp), which
+# task.inner_steps > 1 and task.kl_target=model at a temperature produce; in_loss only with a ratio. `library` runs a
+# library's own off-policy code, which need not correct for pi_old: that is what docs/libraries.md audits. The
+# config schema refuses the others before torch loads; tests/test_schema.py checks each class's supports_off_policy.
+OFF_POLICY_GRADIENTS = ("rb", "in_reward", "in_loss", "library")
+
+
+def corrects_off_policy(name: str, ratio: str | None = None) -> bool:
+    """Whether gradient estimator `name` (in_loss: with `ratio`) takes samples from pi_old."""
+    return name in OFF_POLICY_GRADIENTS and not (name == "in_loss" and ratio == "none")
+
+
 # the estimators with options, by registered name; every other estimator takes none
 GRADIENT_OPTIONS: dict[str, type[Options]] = {"naive_cv": ControlVariateOptions, "in_reward": InRewardOptions,
                                               "in_loss": InLossOptions, "library": LibraryOptions,

@@ -40,13 +40,8 @@ import torch
 
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.chunked import token_logprob, token_scores
-
-KL_TARGETS = {
-    "sampler": "KL(pi_s || pi_ref,T): the sampler's distribution against the reference at its temperature",
-    "model": "KL(pi || pi_ref) of the untempered models, pi_s a behaviour policy (importance weights)",
-    "tempered": "KL(pi_T || pi_ref,T): both divided by the temperature, full vocabulary (TRL, verl)",
-    "tempered_vs_raw": "KL(pi_T || pi_ref): the tempered policy against the raw reference (tinker-cookbook #689)",
-}
+# the names and rules the config schema reads too, without torch
+from klbench.estimators.targets import KL_TARGETS, is_plain, truncated_model_target, truncates
 
 
 def excluded(dtype: torch.dtype) -> float:
@@ -75,12 +70,12 @@ class Sampling:
 
     @property
     def truncates(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1
+        return truncates(self.top_k, self.top_p)
 
     @property
     def is_plain(self) -> bool:
         """Temperature 1, nothing cut: pi_s = pi."""
-        return self.temperature == 1 and not self.truncates
+        return is_plain(self.temperature, self.top_k, self.top_p)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V] float32 (float64 stays) logits of pi_s, -inf on cut tokens: transformers' Temperature,
@@ -116,9 +111,7 @@ def check_target(sampling: Sampling, target: str) -> str | None:
     if target not in KL_TARGETS:
         raise ValueError(f"task.kl_target={target!r} is unknown; valid: {', '.join(KL_TARGETS)}")
     if target == "model" and sampling.truncates:
-        raise ValueError(f"task.kl_target=model with {sampling.describe()}: the truncated sampler never draws "
-                         "the tokens it cuts, so no importance weight recovers KL(pi || pi_ref); use "
-                         "task.kl_target=sampler, or sample without truncation (task.top_k=0 task.top_p=1)")
+        raise ValueError(truncated_model_target(sampling.describe()))
     if target == "sampler" and sampling.truncates:
         return (f"task.kl_target=sampler with {sampling.describe()}: k3 (value cv, naive_cv, in_reward/in_loss "
                 f"value=k3) is biased here, by the reference mass outside the kept tokens; mc, rb and the k1 "

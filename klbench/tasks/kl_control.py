@@ -16,16 +16,19 @@ The horizon counts steps by default because the policy's lag does: an optimiser 
 about the same amount whatever the batch size.
 
 Plain Python floats (no torch, no Lightning, no Hydra): the caller turns the batch into KL_est, and
-the state is a small dict that the checkpoint carries, so a resumed run continues the same beta.
+the state is a small dict that the checkpoint carries, so a resumed run continues the same beta. The options,
+their bounds and defaults are kl_ctl=adaptive's (klbench.config.schema.KLCtlAdaptive), read from there.
 """
 from __future__ import annotations
 
 import math
 
-# labels of klbench.estimators.values.REPORTED that may drive the controller (klbench.config.schema lists them
-# without importing torch; tests/test_kl_control.py keeps the two lists equal)
-SIGNALS = ("mc", "k2", "k3", "cv_seq", "cv_opt", "rb")
-HORIZON_UNITS = ("steps", "sequences")
+from klbench.config.schema import HORIZON_UNITS, KLCtlAdaptive
+from klbench.estimators.options import REPORTED_VALUES
+
+# the value estimators klbench reports (train/kl_<label>): any of them may drive the controller
+SIGNALS = tuple(REPORTED_VALUES)
+_DEFAULT = {k: f.default for k, f in KLCtlAdaptive.model_fields.items() if not f.is_required()}
 
 
 class FixedKL:
@@ -54,9 +57,10 @@ class AdaptiveKL:
 
     name = "adaptive"
 
-    # defaults: conf/kl_ctl/adaptive.yaml's; kp=0, horizon_unit="sequences" is the controller before issue 18
-    def __init__(self, init_beta: float, target: float, horizon: float = 10.0, clip: float = 0.4,
-                 signal: str = "rb", kp: float = 1.0, horizon_unit: str = "steps"):
+    # defaults: kl_ctl=adaptive's (KLCtlAdaptive); kp=0, horizon_unit="sequences" is the controller before issue 18
+    def __init__(self, init_beta: float, target: float = _DEFAULT["target"], horizon: float = _DEFAULT["horizon"],
+                 clip: float = _DEFAULT["clip"], signal: str = _DEFAULT["signal"], kp: float = _DEFAULT["kp"],
+                 horizon_unit: str = _DEFAULT["horizon_unit"]):
         for key, v in (("init_beta", init_beta), ("target", target), ("horizon", horizon), ("clip", clip)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"kl_ctl.{key} must be a finite number > 0, got {v!r}")
