@@ -10,7 +10,7 @@ it, Cohere scales it, Granite divides it): `read_head` reads the settings transf
 them on the model itself. It runs the forward once with the head returning known values over a wide range and
 compares the returned logits with LMHead.post of them. Whatever it cannot read (a head that is no plain
 nn.Linear, a LoRA adapter on the head, hooks, a transformation it does not model) is a reason, and the policy
-keeps the logits path (klbench.models.policies says so in one line).
+keeps the logits path (klbench.models.lm_policy says so in one line).
 """
 from __future__ import annotations
 

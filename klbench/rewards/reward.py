@@ -1,6 +1,6 @@
 """Sequence-level rewards: a rollout in, one float per sampled response out.
 
-    reward(rollout) -> [B]                  what the RL task calls (klbench.models.policies.Rollout)
+    reward(rollout) -> [B]                  what the RL task calls (klbench.models.interface.Rollout)
     VaderReward().score_texts(texts) -> [B] VADER compound score in [-1, 1] (offline, the embedded default)
     HFClassifierReward(name_or_path, label).score_texts(texts) -> [B] raw logit (or probability) of `label`
     klbench.exact.tabular.TabularReward           a reward table over the tabular model's sequences (rollout.seq_ids)

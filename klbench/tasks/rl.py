@@ -35,7 +35,7 @@ from klbench.estimators.advantages import advantage, ppo_reward_loss, reward_los
 from klbench.estimators.mismatch import MISMATCH_CHI2_LARGE, mismatch_metrics
 from klbench.estimators.options import REPORTED_VALUES
 from klbench.tasks.kl_control import build_kl_control
-from klbench.models.policies import Policy, Rollout, has_distributions, token_entropy
+from klbench.models.interface import Policy, Rollout, has_distributions, token_entropy
 from klbench.tasks.step import backward_in_parts
 
 
@@ -61,7 +61,7 @@ class RLTask(pl.LightningModule):
         self.kl_ctl = build_kl_control(kl_ctl_cfg, float(estimator_cfg["beta"]))
         self.cfg = dict(task_cfg)
         # the KL fused into the reward before the advantage (in_reward kl_norm=fused): no separate KL term
-        self.fused = getattr(self.estimator, "options", {}).get("kl_norm") == "fused"
+        self.fused = getattr(self.estimator, "options", {}).get("kl_norm") == "before"
         self.values = {label: value_estimator(name, **o) for label, (name, o) in REPORTED_VALUES.items()}
         line = getattr(policy, "scoring_line", None)  # a language model says how it scores, once
         if line is not None:
@@ -149,7 +149,7 @@ class RLTask(pl.LightningModule):
 
     @property
     def micro_batch_size(self) -> int | None:
-        """task.micro_batch_size: sequences scored at once (klbench.models.policies.LMPolicy.score); None: all."""
+        """task.micro_batch_size: sequences scored at once (klbench.models.lm_policy.LMPolicy.score); None: all."""
         return self.cfg.get("micro_batch_size")
 
     @property
