@@ -13,7 +13,8 @@ import torch
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.placement import value_terms
 from klbench.estimators.sampling import Sampling, check_target
-from klbench.exact.tabular import TabularModel, TabularReward, audit, default_instances
+from klbench.exact.tabular import (TabularModel, TabularReward, audit, default_instances, optimal_seq_logprob,
+                                   pareto_frontier, table_from_seq_logprob)
 from klbench.models.policies import TabularPolicy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -352,7 +353,7 @@ def test_tempered_frontier_is_reached_by_the_tempered_optimum(target):
     s = Sampling(temperature=0.7)
     q = model if target == "tempered_vs_raw" else TabularModel(3, 3, model.ref_logits / 0.7, eos=0)
     beta = float(TabularPolicy(model, sampling=s, kl_target=target).exact_frontier(reward).betas[200])
-    opt = q.table_from_seq_logprob(q.optimal_seq_logprob(reward.table, beta))  # [P, K] the sampler's optimum
+    opt = table_from_seq_logprob(q, optimal_seq_logprob(q, reward.table, beta))  # [P, K] the sampler's optimum
     policy = TabularPolicy(model, 0.7 * opt, sampling=s, kl_target=target)
     m = policy.exact_metrics(reward)
     assert abs(m["frontier_gap"]) <= 1e-6
@@ -382,7 +383,7 @@ def test_the_frontier_cache_follows_the_sampling():
     view.sampling = Sampling()
     plain = view.exact_frontier(reward)
     assert not torch.equal(tempered.kls, plain.kls)
-    torch.testing.assert_close(plain.kls, model.pareto_frontier(reward.table).kls, rtol=0, atol=0)
+    torch.testing.assert_close(plain.kls, pareto_frontier(model, reward.table).kls, rtol=0, atol=0)
 
 
 def test_audit_targets_names_the_pair_a_scoring_follows():

@@ -22,8 +22,9 @@ from typing import Callable
 import torch
 
 from klbench.estimators.sampling import Sampling
-from klbench.exact.tabular import (DTYPE, AuditReport, AuditRow, TabularModel, TabularReward, _verdict,
-                                   behaviour_tables, default_instances)
+from klbench.exact.tabular import (DTYPE, AuditReport, AuditRow, TabularModel, TabularReward, behaviour_tables,
+                                   default_instances)
+from klbench.exact.tabular.gradient_audit import _verdict
 
 KINDS = {
     "noise": "sampler logits = theta + size * N(0, 1) (kernel and rounding noise; 2^-8 is bf16's half-ulp at |x| = 1)",

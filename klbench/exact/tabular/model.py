@@ -1,5 +1,5 @@
-"""An autoregressive tabular model small enough to enumerate: exact KLs, exact gradients, exact
-estimator moments, the exact reward+KL optimum and its Pareto frontier, and the loss audit.
+"""An autoregressive tabular model small enough to enumerate: exact KLs, exact gradients, and the exact
+moments of any estimator or surrogate evaluated on every sequence (the job the audit and the tests build on).
 
 A policy is a logit table `theta` [P, K]: one row of next-token logits per prefix. Prefixes are all
 token tuples of length 0..T-1 that contain no EOS. A sequence ends at EOS (which is itself a
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable
 
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.estimators.sampling import KL_TARGETS, Sampling, target_batch, target_pair, token_logprob
+from klbench.estimators.sampling import Sampling, target_batch, target_pair, token_logprob
 
 DTYPE = torch.float64
 # batch(..., sampling, target=RAW): samples from pi_s, the batch holds the untempered logits and log-probs, and the
@@ -263,76 +263,15 @@ class TabularModel:
         mean = (w * est).sum()
         return Moments(mean, float((w * (est - mean) ** 2).sum()))
 
-    # ---- reward + beta * KL: exact optimum and Pareto frontier ----
-
-    def optimal_seq_logprob(self, reward: torch.Tensor, beta: float) -> torch.Tensor:
-        """[N] log pi*_beta(y), pi*_beta ∝ pi_ref exp(r / beta): the maximiser of E[r] - beta KL(pi || pi_ref)."""
-        if beta <= 0:
-            raise ValueError(f"beta must be > 0 for the closed-form optimum, got {beta}")
-        s = self.seq_logprob(self.ref_logits) + reward.to(DTYPE) / beta
-        return s - torch.logsumexp(s, 0)
-
-    def table_from_seq_logprob(self, seq_logprob: torch.Tensor) -> torch.Tensor:
-        """The autoregressive logit table [P, K] whose sequence distribution is exp(seq_logprob)."""
-        mass = torch.zeros(self.P, self.K, dtype=DTYPE)  # mass of sequences through (prefix, next token)
-        p = seq_logprob.exp().unsqueeze(-1).expand(-1, self.T)  # [N, T]
-        mass.index_put_((self.seq_prefix[self.mask], self.tokens[self.mask]), p[self.mask], accumulate=True)
-        return mass.log()
-
     def expected_reward(self, theta: torch.Tensor, reward: torch.Tensor) -> torch.Tensor:
+        """E_pi[r] for a reward table [N] (differentiable in theta)."""
         return (self.seq_logprob(theta).exp() * reward.to(DTYPE)).sum()
-
-    def pareto_frontier(self, reward: torch.Tensor, betas: torch.Tensor | None = None) -> "Frontier":
-        """Exact reward-vs-kl_pi_ref frontier traced by pi*_beta over a beta grid (log-spaced by default)."""
-        betas = torch.logspace(-3, 3, 400, dtype=DTYPE) if betas is None else betas.to(DTYPE)
-        lr = self.seq_logprob(self.ref_logits)
-        rewards, kls = [], []
-        for beta in betas.tolist():
-            ls = self.optimal_seq_logprob(reward, beta)
-            rewards.append(float((ls.exp() * reward).sum()))
-            kls.append(float((ls.exp() * (ls - lr)).sum()))
-        return Frontier(betas, torch.tensor(rewards, dtype=DTYPE), torch.tensor(kls, dtype=DTYPE))
-
-
-def rl_frontier(K: int, T: int, eos: int | None, ref_seed: int, ref_scale: float, reward_seed: int,
-                reward_scale: float) -> "Frontier":
-    """The exact frontier of RL on the tabular model and reward with these settings (model.* and reward.* of
-    `model=tabular reward=tabular`), built as klbench.models.policies and klbench.rewards.reward build them:
-    what klbench-pareto draws for runs it knows only by their logged params."""
-    model = TabularModel(K, T, eos=eos, seed=ref_seed, ref_scale=ref_scale)
-    return model.pareto_frontier(TabularReward(model, seed=reward_seed, scale=reward_scale).table)
 
 
 @dataclass
 class Moments:
     mean: torch.Tensor
     trace: float  # trace of the covariance (gradients) or the variance (values)
-
-
-@dataclass
-class Frontier:
-    """Exact Pareto frontier: for each beta, the optimum's reward and kl_pi_ref (KL grows as beta falls)."""
-
-    betas: torch.Tensor
-    rewards: torch.Tensor
-    kls: torch.Tensor
-
-    def best_reward_at(self, kl: float) -> float:
-        """Highest reward any policy reaches with kl_pi_ref <= kl (linear interpolation on the frontier)."""
-        order = torch.argsort(self.kls)
-        k, r = self.kls[order], self.rewards[order]
-        if kl <= k[0]:
-            return float(r[0])
-        if kl >= k[-1]:
-            return float(r[-1])
-        j = int(torch.searchsorted(k, torch.tensor(kl, dtype=DTYPE)))
-        f = (kl - k[j - 1]) / (k[j] - k[j - 1])
-        return float(r[j - 1] + f * (r[j] - r[j - 1]))
-
-    def reward_gap(self, reward: float, kl: float) -> float:
-        """How much reward a policy at (reward, kl) leaves on the table versus the exact frontier (>= 0)."""
-        return self.best_reward_at(kl) - reward
-
 
 def _token_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """[P] per-row KL(p || q) of two logit tables [P, K]; a token p gives probability exactly 0 adds 0."""
@@ -362,169 +301,3 @@ def _as_tensor(out, size: int) -> torch.Tensor:
         raise ValueError(f"a surrogate must return one value per sequence, shape ({size},); got {shape}. "
                          "Return the per-sequence loss before any batch mean.")
     return out
-
-
-# ---- the audit: which exact gradient does an arbitrary loss follow? ----
-
-CANDIDATES = ("kl_pi_ref", "kl_ref_pi", "partial_kl_pi_ref", "partial_kl_ref_pi", "zero")
-# with a behaviour policy: the partial gradients whose prefixes are drawn from pi_old (what per-token
-# importance ratios give), between the on-policy partials and zero
-OLD_CANDIDATES = ("partial_kl_pi_ref@old", "partial_kl_ref_pi@old")
-Behaviour = Union[float, Callable[[TabularModel, torch.Tensor], torch.Tensor], Sequence[torch.Tensor], None]
-
-
-@dataclass
-class AuditRow:
-    candidate: str
-    cosine: float  # mean over instances (nan for zero)
-    rel_error: float  # max over instances of |E[g] - g_c| / |g_c| (|E[g]| / |grad kl_pi_ref| for zero)
-    scale: float  # least-squares s in E[g] ≈ s g_c, mean over instances
-
-
-@dataclass
-class AuditReport:
-    rows: list[AuditRow]
-    match: str  # a candidate name, "<scale> x <candidate>", or "none of the above"
-    off_policy: bool = False  # samples were drawn from a behaviour policy pi_old != pi
-    sampling: str = ""  # the sampling and KL target audited ("" at plain sampling); "@old" is then pi_s
-
-    def __str__(self) -> str:
-        width = max(20, *(len(r.candidate) for r in self.rows))
-        lines = [f"samples from pi_s ({self.sampling}); candidates of the target's pair"] if self.sampling else []
-        if self.off_policy:
-            lines.append("samples from a behaviour policy pi_old != pi (KLBatch.old_logp set)" if not self.sampling
-                         else "the samples do not come from the target's policy: \"@old\" = prefixes from pi_s")
-        lines.append(f"{'candidate':<{width}} {'cosine':>8} {'rel_error':>10} {'scale':>8}")
-        for r in self.rows:
-            lines.append(f"{r.candidate:<{width}} {r.cosine:>8.4f} {r.rel_error:>10.2e} {r.scale:>8.4f}")
-        lines.append(f"expected gradient matches: {self.match}")
-        return "\n".join(lines)
-
-
-def default_instances() -> list[tuple[TabularModel, torch.Tensor]]:
-    """Three instances, two with EOS, where the four KL gradients all differ visibly."""
-    out = []
-    for seed, (K, T, eos) in enumerate([(3, 3, None), (4, 3, 0), (3, 4, 0)]):
-        model = TabularModel(K, T, eos=eos, seed=100 + seed)
-        out.append((model, model.random_policy(seed=200 + seed)))
-    return out
-
-
-def fixed_length_instances() -> list:
-    """Three instances without EOS: every response has T tokens (the conditions of arguments made per token)."""
-    out = []
-    for seed, (K, T) in enumerate([(3, 3), (4, 3), (3, 4)]):
-        model = TabularModel(K, T, eos=None, seed=700 + seed)
-        out.append((model, model.random_policy(seed=800 + seed)))
-    return out
-
-
-def near_reference_instances(scale: float = 0.05) -> list:
-    """pi = pi_ref + a small perturbation of the logits (variable lengths): where first-order arguments live."""
-    out = []
-    for model, _ in default_instances():
-        out.append((model, model.ref_logits + model.random_policy(seed=900 + model.K, scale=scale)))
-    return out
-
-
-def behaviour_tables(instances: list[tuple[TabularModel, torch.Tensor]], behaviour: Behaviour) -> list:
-    """One behaviour table [P, K] (or None) per instance. behaviour: None (on-policy); a float s, for
-    pi_old = theta + s * N(0, 1) with a fixed seed per instance; a callable (model, theta) -> table; or a
-    list of tables, one per instance."""
-    if behaviour is None:
-        return [None] * len(instances)
-    if isinstance(behaviour, (int, float)) and not isinstance(behaviour, bool):
-        if not behaviour > 0:
-            raise ValueError(f"behaviour as a float is the scale of pi_old's logit perturbation: > 0, got {behaviour}")
-        return [theta.detach() + model.random_policy(seed=300 + i, scale=float(behaviour))
-                for i, (model, theta) in enumerate(instances)]
-    tables = [behaviour(m, th) for m, th in instances] if callable(behaviour) else list(behaviour)
-    if len(tables) != len(instances):
-        raise ValueError(f"behaviour: {len(tables)} tables for {len(instances)} instances")
-    for (m, _), t in zip(instances, tables):
-        if not isinstance(t, torch.Tensor) or t.shape != (m.P, m.K):
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"behaviour table must be [P, K] = [{m.P}, {m.K}] logits, got {got}")
-    return [t.detach().to(DTYPE) for t in tables]
-
-
-def audit(surrogate_fn: Surrogate, instances: list[tuple[TabularModel, torch.Tensor]] | None = None,
-          n: int = 1, tol: float = 1e-6, behaviour: Behaviour = None, sampling: Sampling | None = None,
-          target: str = "sampler") -> AuditReport:
-    """Report which exact gradient the expectation of `surrogate_fn(batch) -> Tensor[B]` follows.
-
-    The loss is evaluated on every sequence (every n-tuple of one prompt if n > 1, with `group` set),
-    weighted by its exact probability under pi, so the answer has no sampling noise. With `behaviour`
-    (see behaviour_tables; e.g. behaviour=0.5) the samples come from pi_old instead, the batch carries
-    old_logp, and the candidates include the partial gradients with prefixes from pi_old ("@old").
-    With `sampling` (and a KL `target`, klbench.estimators.sampling) the samples come from pi_s, the batch is
-    the target's, and the candidates are the target pair's (TabularModel.target_gradients; "@old": prefixes
-    from pi_s where the samples do not come from the target's policy).
-    """
-    instances = default_instances() if instances is None else instances
-    olds = behaviour_tables(instances, behaviour)
-    means = [model.gradient_moments(surrogate_fn, theta, n=n, behaviour=old, sampling=sampling,
-                                    target=target).mean.flatten() for (model, theta), old in zip(instances, olds)]
-    return _compare(means, instances, olds, behaviour is not None, sampling, target, tol)
-
-
-def audit_targets(surrogate_fn: Surrogate, sampling: Sampling, instances: list | None = None, n: int = 1,
-                  tol: float = 1e-6) -> dict[str, AuditReport]:
-    """For a loss that scores the raw logits itself (as a library does: dividing the policy's, the reference's or
-    the old policy's logits by the temperature, or not), with samples from pi_s: which exact gradient its
-    expectation follows, against the candidates of every KL target that can be defined under this sampling
-    (`model` is left out under truncation, where check_target refuses it). The batch (target RAW) holds the
-    untempered logits [B, T, K] and log-probs, on-policy (old_logp None: the library scores pi_old as pi)."""
-    instances = default_instances() if instances is None else instances
-    means = [model.gradient_moments(surrogate_fn, theta, n=n, sampling=sampling, target=RAW).mean.flatten()
-             for model, theta in instances]
-    targets = [t for t in KL_TARGETS if not (t == "model" and sampling.truncates)]
-    return {t: _compare(means, instances, [None] * len(instances), False, sampling, t, tol) for t in targets}
-
-
-def _compare(means: list, instances: list, olds: list, off_policy: bool, sampling: Sampling | None, target: str,
-             tol: float) -> AuditReport:
-    """The AuditReport of the expected gradients `means` (one [P*K] per instance) against the exact candidates."""
-    exacts = [{k: v.flatten() for k, v in m.exact_gradients(th, behaviour=old, sampling=sampling,
-                                                            target=target).items()}
-              for (m, th), old in zip(instances, olds)]
-    has_old = all(c in e for e in exacts for c in OLD_CANDIDATES)
-    candidates = CANDIDATES if not has_old else CANDIDATES[:4] + OLD_CANDIDATES + ("zero",)
-    per = {c: [] for c in candidates}
-    for mean, exact in zip(means, exacts):
-        ref_norm = exact["kl_pi_ref"].norm()
-        for c in candidates:
-            g = exact[c]
-            if c == "zero":
-                per[c].append((float("nan"), float(mean.norm() / ref_norm), 0.0))
-                continue
-            cos = float(mean @ g / (mean.norm() * g.norm() + 1e-300))
-            scale = float(mean @ g / (g @ g))
-            per[c].append((cos, float((mean - g).norm() / g.norm()), scale))
-    rows = [AuditRow(c, sum(v[0] for v in vals) / len(vals), max(v[1] for v in vals),
-                     sum(v[2] for v in vals) / len(vals)) for c, vals in per.items()]
-    described = f"{sampling.describe()}, task.kl_target={target}" if sampling is not None else ""
-    return AuditReport(rows, _verdict(rows, per, tol), off_policy=off_policy or has_old, sampling=described)
-
-
-def _verdict(rows: list[AuditRow], per: dict, tol: float) -> str:
-    for r in rows:
-        if r.rel_error <= tol:
-            return r.candidate
-    for r in rows:  # proportional: cosine 1 on every instance with one common scale
-        if r.candidate != "zero" and all(abs(v[0] - 1) <= tol and abs(v[2] - r.scale) <= tol * max(1, abs(r.scale))
-                                         for v in per[r.candidate]):
-            return f"{r.scale:.6g} x {r.candidate}"
-    return "none of the above"
-
-
-class TabularReward:
-    """A reward table r [N] over the tabular model's sequences: r(y) = scale * N(0, 1), fixed by seed."""
-
-    def __init__(self, model: TabularModel, seed: int = 1, scale: float = 1.0):
-        gen = torch.Generator().manual_seed(seed)
-        self.table = scale * torch.randn(model.N, generator=gen, dtype=DTYPE)  # [N]
-
-    def __call__(self, ro) -> torch.Tensor:
-        """[B] the rewards of a rollout of klbench.models.policies.TabularPolicy, by its sequence ids."""
-        return self.table[ro.seq_ids.cpu()]
