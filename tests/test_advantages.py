@@ -77,8 +77,8 @@ TAB = ["experiment=tabular"]
     (TAB + ["task.advantage=gspo"], "task.advantage"),
     (TAB + ["task.loss_agg=sum"], "task.loss_agg"),
     (TAB + ["task.adv_eps=0"], "task.adv_eps"),
-    (TAB + ["estimator=in_reward", "estimator.kl_norm=fused", "estimator.baseline=loo"],
-     "estimator.kl_norm=fused .* needs estimator.form=sequence, estimator.baseline=none"),
+    (TAB + ["estimator=in_reward", "estimator.kl_norm=before", "estimator.baseline=loo"],
+     "estimator.kl_norm=before .* needs estimator.form=sequence, estimator.baseline=none"),
 ])
 def test_bad_reward_term(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -90,7 +90,7 @@ def test_good_reward_terms(tmp_path):
     validate(compose_cfg(tmp_path, TAB + ["task.advantage=grpo", "task.loss_agg=seq_mean_token_mean"]))
     # the KL fused into the reward is a reward term even without a reward
     validate(compose_cfg(tmp_path, TAB + ["reward=none", "task.advantage=grpo", "estimator=in_reward",
-                                          "estimator.kl_norm=fused"]))
+                                          "estimator.kl_norm=before"]))
 
 
 # ---- the task's loss ----
@@ -119,10 +119,10 @@ def _grad(module, prompts):
 
 
 def test_fused_kl_is_in_the_advantage(tmp_path):
-    """kl_norm=fused: the task's loss is the reward term of A(r - beta v), v = k1 per sequence, and no separate
+    """kl_norm=before: the task's loss is the reward term of A(r - beta v), v = k1 per sequence, and no separate
     KL term; with grpo it differs from kl_norm=after (the std divides the KL too)."""
     over = ["task.advantage=grpo", "estimator=in_reward", "estimator.beta=0.5"]
-    fused = _task(tmp_path, over + ["estimator.kl_norm=fused"])
+    fused = _task(tmp_path, over + ["estimator.kl_norm=before"])
     g, ro, batch, reward = _grad(fused, [fused.policy.fixed_prompt] * 4)
     v = batch.rho.detach().sum(-1)  # [B] k1 per sequence
     a = advantage(reward - 0.5 * v.to(reward.dtype), ro.group, "grpo")

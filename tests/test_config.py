@@ -23,7 +23,7 @@ def test_every_group_has_options():
         assert options, f"conf/{group} is empty"
     assert set(GROUPS["estimator"]) == {"naive_mc", "naive_cv", "token", "seq", "cumulative", "loo", "rb",
                                         "in_reward", "in_loss", "library", "trl_grpo", "verl_low_var_kl", "vopd",
-                                        "topk_tail", "topk_trunc", "k3_in_reward", "frpo", "kl_fused"}
+                                        "topk_tail", "topk_trunc", "k3_in_reward", "frpo", "kl_before", "kl_fused"}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -179,3 +179,28 @@ def test_local_ddp_listens_on_loopback_only(tmp_path):
     assert len(seen) >= 2, seen  # both ranks listen (gloo), rank 0 also serves the store
     addrs = {a for s in seen.values() for a in s}
     assert all(ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback for a in addrs), seen
+
+
+# ---- renamed for issue 46, accepted for one release: kl_norm=fused is kl_norm=before, kl_fused is kl_before ----
+
+def test_old_kl_norm_name_is_the_new_one_with_one_line(tmp_path, capsys, monkeypatch):
+    """estimator=kl_fused and estimator.kl_norm=fused still run, as kl_before, and say the new names once."""
+    import klbench.estimators.options as options
+    from klbench.config.schema import validate
+    from klbench.estimators import gradient_estimator
+    monkeypatch.setattr(options, "_told", set())
+    new = compose_cfg(tmp_path, ["estimator=kl_before"])
+    old = compose_cfg(tmp_path, ["estimator=kl_fused"])
+    assert new.estimator.kl_norm == "before" and old.estimator.kl_norm == "fused"
+    assert {**old.estimator, "kl_norm": "before"} == dict(new.estimator)
+    validate(new)
+    assert capsys.readouterr().err == ""
+    validate(old)
+    assert gradient_estimator("in_reward", kl_norm="fused").kl_norm == "before"
+    err = capsys.readouterr().err.splitlines()
+    assert err == [options.RENAMED[("kl_norm", "fused")][1]], err
+    assert "kl_norm=before" in err[0] and "estimator=kl_before" in err[0]
+    # the old name keeps its refusals, worded with the new one
+    from klbench.config.schema import ConfigError
+    with pytest.raises(ConfigError, match="estimator.kl_norm=before puts the sequence KL"):
+        validate(compose_cfg(tmp_path, ["estimator=kl_fused", "estimator.baseline=loo"]))

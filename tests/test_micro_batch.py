@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 # every estimator option but the two that read the full [B, T, V] logits (refused with micro-batches, below)
 ESTIMATORS = ["naive_mc", "naive_cv", "token", "seq", "cumulative", "loo", "rb", "in_reward", "in_loss", "vopd",
-              "k3_in_reward", "frpo", "kl_fused", "trl_grpo", "verl_low_var_kl"]
+              "k3_in_reward", "frpo", "kl_before", "trl_grpo", "verl_low_var_kl"]
 PROMPTS = ["the film was", "a slow and", "i liked"]
 
 

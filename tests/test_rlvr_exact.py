@@ -39,7 +39,7 @@ def field(model, reward, adv, kl_norm, beta=BETA):
 def test_rloo_after_and_fused_follow_the_regularised_objective(setting):
     model, theta, reward = setting
     g_r, g_kl = grads(model, theta, reward)
-    for kl_norm in ("after", "fused"):
+    for kl_norm in ("after", "before"):
         assert torch.allclose(field(model, reward, "rloo", kl_norm)(theta), -(g_r - BETA * g_kl), atol=1e-10)
 
 
@@ -48,7 +48,7 @@ def test_dr_grpo_shrinks_by_one_minus_one_over_n_where_the_kl_is(setting):
     g_r, g_kl = grads(model, theta, reward)
     s = 1 - 1 / N_SAMPLES
     assert torch.allclose(field(model, reward, "dr_grpo", "after")(theta), -s * g_r + BETA * g_kl, atol=1e-10)
-    assert torch.allclose(field(model, reward, "dr_grpo", "fused")(theta), -s * (g_r - BETA * g_kl), atol=1e-10)
+    assert torch.allclose(field(model, reward, "dr_grpo", "before")(theta), -s * (g_r - BETA * g_kl), atol=1e-10)
 
 
 def test_grpo_after_is_the_gradient_of_F_n_of_accuracy_minus_beta_kl(setting):
@@ -79,18 +79,18 @@ def test_frpo_return_to_go_after_grpo_is_the_same_objective(setting):
 def test_fusing_before_grpo_normalisation_is_the_gradient_of_no_objective(setting):
     model, theta, reward = setting
     after = jacobian_asymmetry(field(model, reward, "grpo", "after"), theta)
-    fused = jacobian_asymmetry(field(model, reward, "grpo", "fused"), theta)
+    fused = jacobian_asymmetry(field(model, reward, "grpo", "before"), theta)
     assert after < 1e-6, after  # a gradient field (F_n(p) - beta KL)
     assert fused > 1e-2, fused  # no function has this gradient
     # and with rloo fusing changes nothing, so both are gradient fields
-    assert jacobian_asymmetry(field(model, reward, "rloo", "fused"), theta) < 1e-6
+    assert jacobian_asymmetry(field(model, reward, "rloo", "before"), theta) < 1e-6
 
 
 def test_grpo_fused_is_not_after_at_any_beta(setting):
     """Not a rescaled beta either: the fused field leaves the plane of grad p and grad KL."""
     model, theta, reward = setting
     g_r, g_kl = grads(model, theta, reward)
-    g = field(model, reward, "grpo", "fused")(theta).reshape(-1)
+    g = field(model, reward, "grpo", "before")(theta).reshape(-1)
     basis = torch.stack([g_r.reshape(-1), g_kl.reshape(-1)], 1)  # [D, 2]
     coef = torch.linalg.lstsq(basis, g.unsqueeze(-1)).solution
     resid = torch.linalg.norm(basis @ coef - g.unsqueeze(-1)) / torch.linalg.norm(g)

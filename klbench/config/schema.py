@@ -729,10 +729,10 @@ def _check_objectives(cfg: DictConfig, reward: str) -> None:
 
 def _check_reward_term(t: TaskRL, e: BaseModel, reward: str) -> None:
     """task.advantage and task.loss_agg shape the reward term (klbench/estimators/advantages.py): a group needs
-    n >= 2 samples per prompt, and without a reward term (and no KL fused into it) they would be ignored."""
+    n >= 2 samples per prompt, and without a reward term (and no KL put into it) they would be ignored."""
     n, adv = t.n_samples, t.advantage
-    fused = e.name == "in_reward" and e.kl_norm == "fused"
-    has_term = fused or (reward != "none" and t.reward_coef != 0)
+    before = e.name == "in_reward" and e.kl_norm == "before"
+    has_term = before or (reward != "none" and t.reward_coef != 0)
     if adv == "rloo" and has_term and n < 2:
         raise ConfigError(f"the RLOO reward baseline needs task.n_samples >= 2, got {n}")
     if adv in GROUP_ADVANTAGES and adv != "rloo" and n < 2:
@@ -744,9 +744,9 @@ def _check_reward_term(t: TaskRL, e: BaseModel, reward: str) -> None:
     if not has_term and (adv != "rloo" or t.loss_agg != "seq_sum"):
         why = "reward=none" if reward == "none" else "task.reward_coef=0"
         raise ConfigError(f"task.advantage={adv} and task.loss_agg={t.loss_agg} shape the reward term, but {why} "
-                          "leaves none (and no KL is fused into it): leave them at rloo and seq_sum")
-    if fused and (e.form, e.baseline, e.max_weight) != ("sequence", "none", None):
-        raise ConfigError("estimator.kl_norm=fused puts the sequence KL into the sequence reward, whose advantage is "
+                          "leaves none (and no KL enters it): leave them at rloo and seq_sum")
+    if before and (e.form, e.baseline, e.max_weight) != ("sequence", "none", None):
+        raise ConfigError("estimator.kl_norm=before puts the sequence KL into the sequence reward, whose advantage is "
                           "its baseline: it needs estimator.form=sequence, estimator.baseline=none and "
                           f"estimator.max_weight=null; got {e.form}, {e.baseline}, {e.max_weight}")
 
@@ -939,7 +939,8 @@ def _check_group(cfg: DictConfig, group: str) -> SimpleNamespace:
         what = f"{group} {tag!r}" if disc else group
         raise ConfigError(explain(e.errors()[0], tags[tag] if disc else options, data, group, what, tag, disc)) \
             from None
-    return SimpleNamespace(**{**checked.model_dump(), **data})
+    # the values as given, but a string as validated: an old name (estimator.kl_norm=fused) by its new one
+    return SimpleNamespace(**{**checked.model_dump(), **{k: v for k, v in data.items() if not isinstance(v, str)}})
 
 
 def _validated(model: type[BaseModel], data: dict, path: str, what: str) -> None:

@@ -11,10 +11,11 @@ NaN and inf refused, no coercion (a bool is not a number, "1" is not 1; an int i
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Annotated, Literal, Optional, get_args, get_origin
+from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class Options(BaseModel):
@@ -31,6 +32,22 @@ class Expect:
 def literal_choices(model: type[BaseModel]) -> dict[str, tuple]:
     """The values of each Literal field: {"form": ("sequence", "reward_to_go"), ...} for InRewardOptions."""
     return {k: get_args(f.annotation) for k, f in model.model_fields.items() if get_origin(f.annotation) is Literal}
+
+
+# option values renamed, accepted for one release: (option, old value) -> (new value, the line a use prints once)
+RENAMED = {("kl_norm", "fused"): ("before", "klbench: kl_norm=fused is renamed kl_norm=before, and estimator=kl_fused "
+                                            "estimator=kl_before (the KL enters the reward before the advantage); "
+                                            "the old names go in the next release")}
+_told: set[str] = set()
+
+
+def renamed(key: str, value: Any) -> Any:
+    """The current name of option value `value` of `key`; an old one prints its deprecation line (once a process)."""
+    new, line = RENAMED.get((key, value), (value, None)) if isinstance(value, str) else (value, None)
+    if line is not None and line not in _told:
+        _told.add(line)
+        print(line, file=sys.stderr)
+    return new
 
 
 Level = Literal["token", "sequence"]
@@ -58,9 +75,9 @@ class InRewardOptions(PlacementOptions):
     form: Literal["sequence", "reward_to_go"] = "sequence"
     baseline: Literal["none", "loo"] = "none"
     # where the KL enters relative to the reward's advantage (task.advantage): "after" it, as its own REINFORCE
-    # term (FRPO's placement); "fused" into the reward before the advantage, r - beta v, as GRPO-with-KL-in-reward
-    # implementations do (the RL task applies it: klbench/tasks/rl.py, klbench/estimators/advantages.py)
-    kl_norm: Literal["after", "fused"] = "after"
+    # term (FRPO's placement); "before" it, in the reward, r - beta v, as GRPO-with-KL-in-reward implementations
+    # do (the RL task applies it: klbench/tasks/rl.py, klbench/estimators/advantages.py). "fused": before's old name
+    kl_norm: Annotated[Literal["after", "before"], BeforeValidator(lambda v: renamed("kl_norm", v))] = "after"
 
 
 class InLossOptions(PlacementOptions):

@@ -31,7 +31,7 @@ import torch
 from klbench.estimators.base import GRADIENT_ESTIMATORS, Estimate, Estimator, register, reward_to_go, seq_sum
 from klbench.estimators.batch import KLBatch
 from klbench.estimators.baselines import leave_one_out_mean
-from klbench.estimators.options import InLossOptions, InRewardOptions, literal_choices
+from klbench.estimators.options import InLossOptions, InRewardOptions, literal_choices, renamed
 
 gradient = register(GRADIENT_ESTIMATORS)
 
@@ -107,8 +107,8 @@ class InReward(_Placement):
       value=k2:            grad E_pi[k2] - grad partial_kl_pi_ref             -> none
     With truncation that fires: none of these (biased towards smaller steps on unlikely samples).
 
-    kl_norm="fused" is not a surrogate of its own: the RL task puts v into the reward before the advantage,
-    A(reward_coef r - beta v) (klbench.estimators.advantages), and `sequence_value` gives it v. It needs
+    kl_norm="before" (old name "fused") is not a surrogate of its own: the RL task puts v into the reward before
+    the advantage, A(reward_coef r - beta v) (klbench.estimators.advantages), and `sequence_value` gives it v. It needs
     form="sequence", baseline="none" (the advantage is the baseline) and no max_weight. With task.advantage=rloo
     or dr_grpo it equals "after" up to the advantage's own factor; with grpo the group std divides the KL
     too, and the expected gradient is then no KL gradient (docs/rlvr.md).
@@ -120,24 +120,26 @@ class InReward(_Placement):
     choices = literal_choices(InRewardOptions)
 
     def __init__(self, **options: Any) -> None:
+        if "kl_norm" in options:  # kl_norm="fused": the old name of "before", for one release
+            options["kl_norm"] = renamed("kl_norm", options["kl_norm"])
         super().__init__(**options)
         if self.form == "reward_to_go":
             self._per_token_needed("form='reward_to_go'")
-        if self.kl_norm == "fused" and (self.form, self.baseline, self.max_weight) != ("sequence", "none", None):
-            raise ValueError(f"estimator {self.name!r}: kl_norm='fused' puts the sequence value into the sequence "
+        if self.kl_norm == "before" and (self.form, self.baseline, self.max_weight) != ("sequence", "none", None):
+            raise ValueError(f"estimator {self.name!r}: kl_norm='before' puts the sequence value into the sequence "
                              "reward, whose advantage is its baseline: it needs form='sequence', baseline='none' "
                              f"and max_weight=None; got form={self.form!r}, baseline={self.baseline!r}, "
                              f"max_weight={self.max_weight!r}")
 
     def sequence_value(self, batch: KLBatch) -> torch.Tensor:
-        """[B] the detached per-sequence value v that kl_norm='fused' puts into the reward."""
+        """[B] the detached per-sequence value v that kl_norm='before' puts into the reward."""
         terms, per_token = value_terms(batch, self.value, self.lam, self.level)
         return (seq_sum(terms) if per_token else terms).detach()
 
     def compute(self, batch: KLBatch) -> Estimate:
-        if self.kl_norm == "fused":
-            raise ValueError(f"estimator {self.name!r} with kl_norm='fused' has no surrogate of its own: the RL task "
-                             "fuses sequence_value(batch) into the reward before task.advantage")
+        if self.kl_norm == "before":
+            raise ValueError(f"estimator {self.name!r} with kl_norm='before' has no surrogate of its own: the RL task "
+                             "puts sequence_value(batch) into the reward before task.advantage")
         terms, per_token = value_terms(batch, self.value, self.lam, self.level)
         terms = terms.detach()  # [B, T] or [B]: in the reward, no gradient through the value
         log_w = batch.log_w.detach()  # [B, T], exactly zero on-policy

@@ -42,11 +42,11 @@ def rl_surrogate(adv: str, kl_norm: str, beta: float, value: str = "k1", eps: fl
     def after(batch: KLBatch, reward: torch.Tensor) -> torch.Tensor:
         return -advantage(reward, batch.group, adv, eps) * logp_sum(batch) + beta * est(batch)
 
-    def fused(batch: KLBatch, reward: torch.Tensor) -> torch.Tensor:
+    def before(batch: KLBatch, reward: torch.Tensor) -> torch.Tensor:
         a = advantage(reward - beta * est.sequence_value(batch), batch.group, adv, eps)
         return -a * logp_sum(batch)
 
-    return {"after": after, "fused": fused}[kl_norm]
+    return {"after": after, "before": before}[est.kl_norm]  # est.kl_norm: "fused" is "before"'s old name
 
 
 def expected_gradient(model, theta: torch.Tensor, reward: torch.Tensor, n: int,

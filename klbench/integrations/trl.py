@@ -79,8 +79,8 @@ def refusal(trainer: str, args, est) -> str | None:
         return (f"{trainer}: {name} needs the full [B, T, V] next-token logits (KLBatch.logits), which TRL's "
                 "batch never holds (its fused LM head keeps only log-probs): use rb or vopd for the full-vocabulary "
                 "KL, which this integration computes from the hidden states in tiles")
-    if est.name == "in_reward" and est.kl_norm == "fused":
-        return (f"{trainer}: {name} with kl_norm='fused' puts the KL into the reward before TRL's advantage, "
+    if est.name == "in_reward" and est.kl_norm == "before":
+        return (f"{trainer}: {name} with kl_norm='before' puts the KL into the reward before TRL's advantage, "
                 "which TRL computes at generation, out of this integration's reach: use kl_norm='after'")
     setting = (f"num_iterations={args.num_iterations}, steps_per_generation={args.steps_per_generation}, "
                f"gradient_accumulation_steps={args.gradient_accumulation_steps}")

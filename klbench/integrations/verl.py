@@ -43,8 +43,8 @@ def refusal(est) -> str | None:
         return (f"verl: {name} needs the samples of each prompt together with their prompt id (KLBatch.group), but "
                 "verl's actor loss gets shuffled micro-batches without one (verl/workers/utils/losses.py:86-91): use "
                 "seq or cumulative")
-    if est.name == "in_reward" and est.kl_norm == "fused":
-        return (f"verl: {name} with kl_norm='fused' puts the KL into the reward before the advantage, which verl "
+    if est.name == "in_reward" and est.kl_norm == "before":
+        return (f"verl: {name} with kl_norm='before' puts the KL into the reward before the advantage, which verl "
                 "computes on the driver (trainer/ppo/ray_trainer.py:187): use kl_norm='after'")
     return None
 
