@@ -47,7 +47,7 @@ with torch.no_grad():  # pi != pi_ref (the steps take no optimizer step): every 
 task = build_task(cfg, policy, None)
 logged = {}
 task.metrics_read = log == "log"      # no trainer here: the train/ metrics are computed, then kept in a dict
-task._log_now = lambda m: logged.update(m) if task.metrics_read else None
+task.log_now = lambda m: logged.update(m) if task.metrics_read else None
 texts = [f"prompt {i}: the film was" for i in range(prompts)]
 torch.manual_seed(0)
 t0 = time.perf_counter()
@@ -108,7 +108,7 @@ with torch.no_grad():  # pi != pi_ref (the steps take no optimizer step): every 
 tasks = {e: build_task(c, policy, None) for e, c in cfgs.items()}
 for t in tasks.values():
     t.metrics_read = True
-    t._log_now = lambda m: None
+    t.log_now = lambda m: None
 texts = [f"prompt {i}: the film was" for i in range(prompts)]
 torch.manual_seed(0)
 ro = policy.rollout(texts, samples)

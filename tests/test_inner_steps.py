@@ -42,7 +42,7 @@ def _module(tmp_path, overrides):
         policy.theta.add_(torch.randn(policy.theta.shape, generator=torch.Generator().manual_seed(3),
                                       dtype=policy.theta.dtype))
     module = build_task(cfg, policy, build_reward(cfg.reward, policy))
-    module._log_now = lambda metrics: None  # no trainer here; logging is tested through full runs below
+    module.log_now = lambda metrics: None  # no trainer here; logging is tested through full runs below
     return module
 
 

@@ -32,10 +32,11 @@ import torch
 
 from klbench.estimators import gradient_estimator, value_estimator
 from klbench.estimators.advantages import advantage, ppo_reward_loss, reward_loss
-from klbench.estimators.mismatch import MISMATCH_CHI2_LARGE, mismatch_metrics
 from klbench.estimators.options import REPORTED_VALUES
 from klbench.tasks.kl_control import build_kl_control
-from klbench.models.interface import Policy, Rollout, has_distributions, token_entropy
+from klbench.models.interface import Policy, Rollout, has_distributions
+from klbench.tasks.rl_metrics import TrainMetrics
+from klbench.tasks.rl_validation import Validation
 from klbench.tasks.step import backward_in_parts
 
 
@@ -49,7 +50,10 @@ class CachedRollout:
     old_sampler_logp: torch.Tensor  # [B, T] log pi_s,old of the sampled tokens (the reward's PPO ratio), detached
 
 
-class RLTask(pl.LightningModule):
+class RLTask(TrainMetrics, Validation, pl.LightningModule):
+    """The RL and distillation LightningModule: the step here; its train/ metrics (klbench/tasks/rl_metrics.py)
+    and its validation (klbench/tasks/rl_validation.py) are mixed in."""
+
     def __init__(self, policy: Policy, reward_fn, estimator_cfg: dict, task_cfg: dict, kl_ctl_cfg: dict | None = None):
         super().__init__()
         self.policy, self.reward_fn = policy, reward_fn
@@ -91,7 +95,7 @@ class RLTask(pl.LightningModule):
         if self.logging_step(step):
             # value estimators assume y ~ pi: off-policy steps (i > 0) log the reward, loss and length only
             self.log_train(batch, reward, ro, loss, n_clamped, slogp, on_policy=i == 0, extra=ppo_stats)
-        self._control_beta(batch)  # kl_ctl=fixed only at k > 1 (schema.py): nothing is read off-policy
+        self.control_beta(batch)  # kl_ctl=fixed only at k > 1 (schema.py): nothing is read off-policy
         return loss
 
     def step_rollout(self, prompts: list[str], step: int, i: int) -> tuple[Rollout, torch.Tensor]:
@@ -170,26 +174,12 @@ class RLTask(pl.LightningModule):
         return advantage(reward, group, self.cfg.get("advantage", "rloo"),
                          float(self.cfg.get("adv_eps", 1e-6))).to(batch.logp.dtype)
 
-    def on_fit_start(self) -> None:
-        # with no logger, no step bar and no plain progress lines nothing reads the train/ metrics, and every value
-        # estimator plus the entropy cost a part of a step each time. Decided once for all processes (a bar can
-        # exist on one rank only): the metrics' reduce is a collective
-        from klbench.console.progress import TrainingLines
-        read = self.logger is not None or self.trainer.progress_bar_callback is not None or \
-            any(isinstance(c, TrainingLines) for c in self.trainer.callbacks)
-        self.metrics_read = bool(self.trainer.strategy.reduce(torch.tensor(float(read), device=self.device),
-                                                              reduce_op="max") > 0)
-
-    def logging_step(self, step: int) -> bool:
-        """Whether `step` logs the train/ metrics: every task.log_every steps, when anything reads them."""
-        return self.metrics_read and step % self.cfg["log_every"] == 0
-
     @property
     def beta(self) -> float:
         return self.kl_ctl.beta
 
     @torch.no_grad()
-    def _control_beta(self, batch) -> None:
+    def control_beta(self, batch) -> None:
         """Logs the beta this step used, then lets the controller set the next one from the step's own
         samples (no extra rollout). The signal is averaged over DDP processes, so every process keeps
         the same beta, and n counts the sequences of all of them."""
@@ -202,7 +192,7 @@ class RLTask(pl.LightningModule):
             kl = self.trainer.strategy.reduce(v.double().mean(), reduce_op="mean")
             m["train/kl_ctl_signal"] = kl
             self.kl_ctl.update(float(kl), len(v) * self.trainer.world_size)
-        self._log_now(m)
+        self.log_now(m)
 
     def total_loss(self, batch, loss_reward: torch.Tensor, where: str) -> tuple[torch.Tensor, int | None]:
         """reward_coef * the reward part + beta * the mean KL surrogate, and the estimator's clamp count (None
@@ -220,67 +210,6 @@ class RLTask(pl.LightningModule):
                 f"KL surrogate {loss_kl.item()} (estimator {self.estimator!r}, beta {self.beta})")
         return loss, None if est is None else est.n_clamped
 
-    @torch.no_grad()
-    def log_train(self, batch, reward, ro, loss, n_clamped, slogp=None, on_policy: bool = True,
-                  extra: dict | None = None) -> None:
-        """slogp: [B, T] the scorer's log pi_s (Policy.sampler_logp), for train/logp_gap_*. on_policy: False on a
-        rollout's later steps (task.inner_steps > 1), whose samples come from pi_old: the reward, the loss and the
-        length only. extra: more metrics of the step (PPO's ratio statistics)."""
-        m = {"train/reward": reward.mean(), "train/loss": loss.detach(),
-             "train/response_len": batch.mask.sum(-1).float().mean(), **(extra or {})}
-        if n_clamped is not None:
-            m["train/n_clamped"] = float(n_clamped)
-        if not on_policy:
-            self._log_now(m)
-            return
-        # value estimators that assume y ~ pi are left out on a behaviour batch (kl_target=model off plain sampling)
-        off = batch.is_off_policy
-        m.update({f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
-                  if (label != "rb" or has_distributions(batch)) and (not off or est.supports_off_policy())})
-        if ro.sample_logp is not None and slogp is not None:
-            # the sampler's own log pi_s against the scoring pass's, real tokens only: 0 where both run the same
-            # arithmetic (float32 on CPU), not in bf16 with SDPA (docs/sampling.md, "Sampler and scorer")
-            gap = (ro.sample_logp.to(slogp.dtype) - slogp.detach())[batch.mask].abs()
-            if gap.numel():
-                m["train/logp_gap_max"], m["train/logp_gap_mean"] = gap.max(), gap.mean()
-                # the meter: k1, k3 and chi^2 of pi_s as sampled against pi_s as scored (docs/mismatch.md)
-                m.update({f"train/{k}": v for k, v in
-                          mismatch_metrics(ro.sample_logp.to(slogp.dtype), slogp.detach(), batch.mask).items()})
-        for key, v in self.judged(ro).items():  # no_answer: how many of the step's responses had none
-            m[f"train/{key}"] = v.sum() if key == "no_answer" else v.mean()
-        entropy = token_entropy(batch)  # [B, T] or None
-        if entropy is not None:
-            m["train/entropy"] = entropy.sum() / batch.mask.sum()
-        self._log_now(m)
-
-    def on_train_end(self) -> None:
-        chi2 = self.last_logged.get("train/mismatch_chi2")
-        if self.trainer.is_global_zero and chi2 is not None and chi2 > MISMATCH_CHI2_LARGE:
-            print(f"klbench: the sampler and the scorer disagree: train/mismatch_chi2 {chi2:.3g} at the last logged "
-                  f"step (above {MISMATCH_CHI2_LARGE:g}, about {chi2 / (1 + chi2):.0%} of the samples' effective "
-                  f"size lost): docs/mismatch.md")
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        if self.logging_step(self.global_step):
-            from klbench.tasks.sharding import grad_norm  # Lightning's, or hardware=fsdp's from the shards
-            norm = grad_norm(self.policy)
-            self._log_now({"train/grad_norm": norm})
-
-    def _log_now(self, metrics: dict) -> None:
-        """Logs at this step only: Lightning's self.log would repeat the last values on every later step.
-        Averaged over DDP processes, as validation metrics are; nothing where nothing reads them (on_fit_start)."""
-        if not self.metrics_read:
-            return
-        keys = list(metrics)
-        values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=self.device).reshape(())
-                              for k in keys])
-        values = self.trainer.strategy.reduce(values, reduce_op="mean")
-        if self.trainer.is_global_zero:
-            logged = dict(zip(keys, values.tolist()))
-            self.last_logged.update(logged)  # what the progress bar shows (klbench.console.progress)
-            if self.logger is not None:
-                self.logger.log_metrics(logged, step=self.global_step)
-
     def configure_model(self) -> None:
         # hardware=fsdp: FSDP2 on the policy and the reference, before the optimizer sees the parameters
         # (klbench/tasks/sharding.py); nothing under any other strategy
@@ -289,70 +218,6 @@ class RLTask(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.policy.trainable(), lr=self.cfg["lr"], weight_decay=self.cfg["weight_decay"])
-
-    # ---- validation: held-out prompts, fresh samples ----
-
-    def on_validation_epoch_start(self) -> None:
-        self.val_rows = []
-
-    @torch.no_grad()
-    def validation_step(self, prompts: list[str], batch_idx: int) -> None:
-        # validation draws from its own seeded stream: it never shifts the training samples (so a resumed
-        # run repeats an uninterrupted one), and every validation of every run sees comparable noise
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.cfg["val_seed"] + batch_idx)
-            ro = self.policy.rollout(prompts, self.cfg["val_samples"])
-            # val/seq_kl is the KL target's KL. kl_target=model off plain sampling: its rollouts are pi_s's, and
-            # rb needs y ~ pi, so the KL is measured on a second draw from pi itself (the same stream, after)
-            target = self.policy.on_target()
-            ro_kl = ro if target is self.policy else target.rollout(prompts, self.cfg["val_samples"])
-        # the view scores its own draws: y ~ pi, an on-policy batch of the target; kappa for rb's val/seq_kl
-        batch = target.score(ro_kl, self.micro_batch_size, kappa=True)
-        reward = self.rewards(ro)
-        seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
-        judged = {k: v.tolist() for k, v in self.judged(ro).items()}
-        for i, (text, prompt, r, k, n, nk) in enumerate(zip(ro.texts, ro.prompts, reward.tolist(), seq_kl.tolist(),
-                                                            ro.mask.sum(-1).tolist(), batch.mask.sum(-1).tolist())):
-            self.val_rows.append({"prompt": prompt, "response": text, "reward": r, "seq_kl": k, "tokens": n,
-                                  "kl_tokens": nk, **{key: v[i] for key, v in judged.items()}})
-
-    def on_validation_epoch_end(self) -> None:
-        rows = self.val_rows
-        judged = [k for k in ("accuracy", "no_answer") if rows and k in rows[0]]  # a verifiable reward's
-        # sums over all processes, so the metric is the same whatever the number of devices
-        totals = torch.tensor([sum(r["reward"] for r in rows), sum(r["seq_kl"] for r in rows),
-                               sum(r["tokens"] for r in rows), sum(r["kl_tokens"] for r in rows), len(rows),
-                               *(sum(r[k] for r in rows) for k in judged)], dtype=torch.float64, device=self.device)
-        if self.trainer.world_size > 1:
-            totals = self.all_gather(totals).reshape(-1, 5 + len(judged)).sum(0)
-        reward, kl, n_tok, n_kl_tok, n, *judged_sums = totals.tolist()
-        m = {"val/reward": reward / n, "val/seq_kl": kl / n, "val/token_kl": kl / max(n_kl_tok, 1),
-             "val/response_len": n_tok / n, **{f"val/{k}": v / n for k, v in zip(judged, judged_sums)}}
-        m.update(self._exact_metrics(m))
-        # logged at the number of optimiser steps taken (Lightning would use that number minus one)
-        self.log_dict(m, logger=False, sync_dist=True)  # already identical on every process
-        if self.trainer.is_global_zero and self.logger is not None:
-            self.logger.log_metrics(m, step=self.global_step)
-        self.sample_tables.append((self.global_step, [{k: v for k, v in r.items() if k != "kl_tokens"}
-                                                      for r in rows[: self.cfg["n_sample_texts"]]]))
-        every = self.cfg.get("probe_every")
-        if every and self.global_step % every == 0 and self.trainer.is_global_zero and self.logger is not None:
-            # estimator variance as pi moves from pi_ref; its own RNG stream, so training is not shifted
-            from klbench.tasks.probe import probe_during_training
-            probe = probe_during_training(self.policy, [r["prompt"] for r in rows], self.cfg["probe"])
-            self.logger.log_metrics(probe, step=self.global_step)
-
-    def _exact_metrics(self, sampled: dict[str, float]) -> dict[str, float]:
-        """Where the truth is computable (the tabular model) it is reported under the metric's own name, and the
-        sampled estimate it replaces under <name>_sampled; elsewhere nothing."""
-        out = {}
-        for key, value in self.policy.exact_metrics(self.reward_fn).items():
-            if f"val/{key}" in sampled:
-                out[f"val/{key}_sampled"] = sampled[f"val/{key}"]
-            out[f"val/{key}"] = value
-        self.exact_keys = {k for k in out if not k.endswith("_sampled")}  # the run's summary marks them exact
-        return out
 
     # ---- checkpoints: RNG state travels with the step and the optimizer ----
 
