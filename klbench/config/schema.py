@@ -33,6 +33,7 @@ from klbench.estimators.options import (ADVANTAGES, GROUP_ADVANTAGES, LOSS_AGGS,
                                         corrects_off_policy, setting_task)
 from klbench.estimators.targets import KL_TARGETS, is_plain, truncated_model_target, truncates
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
+from klbench.models.pair_rules import check_kinds, check_tabular_pair, context_refusal
 from klbench.rewards.answer import EXTRACTS
 from klbench.data.jsonl import read_prompts, read_rows
 from klbench.probe.config import ProbeOptions, StepProbeOptions
@@ -585,9 +586,8 @@ def validate(cfg: DictConfig) -> None:
         # before the teacher's keys: model@teacher=embedded after experiment=distill_tabular leaves tabular keys
         # in it, and the mixed kinds are the mistake to report
         kind = OmegaConf.select(cfg, "teacher.kind")
-        if kind in _tags(Model, "kind") and (model == "tabular") != (kind == "tabular"):
-            raise ConfigError(f"teacher.kind={kind} and model.kind={model}: student and teacher must both be "
-                              "tabular or both be language models")
+        if kind in _tags(Model, "kind"):
+            _as_config_error(check_kinds, model, kind)
         teacher = _check_group(cfg, "teacher").kind
         if teacher == "hf" and cfg.teacher.generation_config != "klbench":
             raise ConfigError("teacher.generation_config=follow: the teacher never samples (it is pi_ref), so its "
@@ -811,10 +811,15 @@ def _check_tabular_pair(cfg: DictConfig, teacher: str | None) -> None:
         if m is not None and m.kind == "tabular" and m.eos is not None and m.eos >= m.K:
             raise ConfigError(f"{who}.eos must be a token id in [0, {who}.K={m.K}), got {m.eos}")
     if teacher == "tabular":
-        m, te = cfg.model, cfg.teacher
-        if (m.K, m.T, m.eos) != (te.K, te.T, te.eos):
-            raise ConfigError(f"student and teacher vocabularies differ: model (K={m.K}, T={m.T}, eos={m.eos}) "
-                              f"vs teacher (K={te.K}, T={te.T}, eos={te.eos})")
+        _as_config_error(check_tabular_pair, cfg.model, cfg.teacher)
+
+
+def _as_config_error(check, *args) -> None:
+    """A rule the builders check too (klbench.models.pair_rules), its ValueError told as a bad config."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_kl_ctl(t: TaskRL, c: BaseModel) -> None:
@@ -849,9 +854,8 @@ def _check_context(cfg: DictConfig) -> None:
             continue
         n = preset_spec(spec.preset, spec.spec)["n_positions"]
         if m >= n:
-            raise ConfigError(f"task.max_new_tokens={m} does not fit the context of the embedded {who} "
-                              f"(preset {spec.preset}): its {who}.spec.n_positions={n} positions hold the prompt "
-                              f"and the response together, so task.max_new_tokens must be < {n}")
+            raise ConfigError(context_refusal(m, f"embedded {who} (preset {spec.preset})",
+                                              f"its {who}.spec.n_positions", n))
 
 
 def _check_probe_every(t: TaskRL) -> None:
