@@ -303,7 +303,7 @@ def test_the_run_name_says_what_sets_it_apart_within_its_task():
 
 def test_a_chat_template_run_names_its_template(tmp_path, tiny_arch, capsys):
     from klbench.models.policies import build_policy
-    from klbench.tasks.train import shown_uses
+    from klbench.tasks.uses import shown_uses
     from test_instruct import ROWS, _chat_cfg
     cfg = _chat_cfg(tmp_path, tiny_arch("llama")[0], ROWS, "dataset.chat_template=true")
     uses = shown_uses(cfg, build_policy(cfg.model, cfg.task.max_new_tokens))

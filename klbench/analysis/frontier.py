@@ -226,7 +226,7 @@ NOT_COMPARED = ("estimator", "seed", *BOOKKEEPING,
 # may vary lets what it sets vary too (a sweep over task.temperature has runs of different `sampling.used`)
 DERIVED = {"sampling.used": ("task.temperature", "task.top_k", "task.top_p", "model.generation_config", "model"),
            "sampling.kl_target": ("task.kl_target",),
-           # what a language-model run uses (klbench.tasks.train.shown_uses): the model's files and options
+           # what a language-model run uses (klbench.tasks.uses.shown_uses): the model's files and options
            "used.stop_ids": ("model",), "used.chat_template": ("model", "dataset"),
            "used.trainable_params": ("model",), "used.lora_rank": ("model",), "used.lora_modules": ("model",),
            "used.generation_config.unapplied": ("model",)}
