@@ -11,6 +11,7 @@ from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target
 from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.models.interface import Policy, Rollout, has_distributions, response_mask, token_entropy
 from klbench.models.lm_policy import LMPolicy
+from klbench.models.pair_rules import check_kinds, context_refusal
 from klbench.models.rollout import PLAIN
 from klbench.models.scoring import ScoredBatch
 from klbench.models.tabular_policy import TabularPolicy, tabular_policy
@@ -48,9 +49,8 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     model's generation_config adds its stop ids (every one ends a response) and, with
     model.generation_config=follow, its sampling options replace `sampling` (one line says which are used).
     """
-    if teacher is not None and (cfg.kind == "tabular") != (teacher.kind == "tabular"):
-        raise ValueError(f"teacher.kind={teacher.kind} and model.kind={cfg.kind}: student and teacher must both "
-                         "be tabular or both be language models")
+    if teacher is not None:
+        check_kinds(cfg.kind, teacher.kind)
     if cfg.kind == "tabular":
         _warn_target(sampling, kl_target)
         return tabular_policy(cfg, teacher, sampling, kl_target)
@@ -78,9 +78,7 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     for name, where, m in ((names[0], path, model), (names[1], ref_path, ref)):
         context = models.context_length(m.config)
         if context and max_new_tokens >= context[1]:  # no room left for a prompt (embedded: klbench.config.schema)
-            raise ConfigError(f"task.max_new_tokens={max_new_tokens} does not fit the context of the {name}: "
-                             f"{where} has {context[0]}={context[1]} positions for the prompt and the response "
-                             f"together, so task.max_new_tokens must be < {context[1]}")
+            raise ConfigError(context_refusal(max_new_tokens, name, f"{where}'s {context[0]}", context[1]))
     stops, options = models.generation_defaults(model)
     eos_ids = list(dict.fromkeys(i for i in (tok.eos_token_id, *stops) if i is not None))  # the tokenizer's first
     sampling = _generation_sampling(cfg, path, options, sampling)

@@ -10,6 +10,7 @@ from klbench.estimators import KLBatch
 from klbench.estimators.sampling import Sampling, check_target
 from klbench.exact.tabular import Frontier, TabularModel, TabularReward, pareto_frontier
 from klbench.models.interface import Policy, Rollout
+from klbench.models.pair_rules import check_tabular_pair
 
 
 class TabularPolicy(Policy):
@@ -121,9 +122,7 @@ def tabular_policy(cfg, teacher, sampling: Sampling | None = None, kl_target: st
     """The tabular policy of model=tabular (a teacher's table as pi_ref for distillation), sampling pi_s and
     scoring the KL target (build_policy passes task_sampling(cfg.task))."""
     ref_cfg = cfg if teacher is None else teacher
-    if (ref_cfg.K, ref_cfg.T, ref_cfg.eos) != (cfg.K, cfg.T, cfg.eos):
-        raise ValueError(f"student and teacher vocabularies differ: model (K={cfg.K}, T={cfg.T}, eos={cfg.eos}) "
-                         f"vs teacher (K={ref_cfg.K}, T={ref_cfg.T}, eos={ref_cfg.eos})")
+    check_tabular_pair(cfg, ref_cfg)
     table = TabularModel(cfg.K, cfg.T, eos=cfg.eos, seed=ref_cfg.ref_seed, ref_scale=ref_cfg.ref_scale)
     start = None
     if teacher is not None:  # the student starts from its own table, the teacher's is pi_ref
