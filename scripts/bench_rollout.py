@@ -254,7 +254,7 @@ def bare_job(model_dir: str, steps: int) -> None:
             for i in range(0, len(held_out), 16):
                 ro = policy.rollout(held_out[i:i + 16], 2)
                 vader.score_texts(ro.texts)
-                rb(policy.score(ro, None, kappa=True)).tolist()
+                rb(policy.score(ro, None, with_token_kl=True)).tolist()
         return time.perf_counter() - t0
 
     val_s += validate()

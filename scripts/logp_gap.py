@@ -41,7 +41,7 @@ def gap(path: str, dtype: str, attn: str, rows: int, new: int, seeds: int, devic
             ro = policy.rollout(PROMPTS, rows // len(PROMPTS))
             with torch.no_grad():
                 score = policy.score(ro).logp  # [B, L] float32 log-softmax of the scoring pass's logits
-        diffs.append((ro.sample_logp - score).abs()[ro.mask])
+        diffs.append((ro.sampled_logp - score).abs()[ro.mask])
     d = torch.cat(diffs)
     return float(d.max()), float(d.mean())
 

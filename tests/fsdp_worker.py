@@ -43,11 +43,11 @@ def step(rank: int, world: int, out: str, overrides: list[str]) -> None:
         # a rollout through the sharded policy (gathered once, decoded unsharded) draws the unsharded policy's tokens
         torch.manual_seed(0)
         again = policy.rollout(prompts, t.n_samples)
-        same = torch.equal(again.tokens, ro.tokens) and torch.allclose(again.sample_logp, ro.sample_logp, atol=1e-5)
+        same = torch.equal(again.tokens, ro.tokens) and torch.allclose(again.sampled_logp, ro.sampled_logp, atol=1e-5)
         ro, reward = ro.rows(i, j), reward[i:j]
     else:
         same = True
-    scoring = policy.scoring(ro, t.get("micro_batch_size"), task.needs_kappa(1))
+    scoring = policy.scoring(ro, t.get("micro_batch_size"), task.needs_token_kl(1))
     _, loss, _ = backward_in_parts(policy, scoring, lambda b: task.step_loss(b, ro, reward, 0, "test"))
     loss.backward()
     value = loss.detach().clone()

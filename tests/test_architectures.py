@@ -102,7 +102,7 @@ def test_bf16_sampler_and_scorer_agree_with_eager_attention(arch, tiny_arch, sin
         torch.manual_seed(0)
         ro = policy.rollout(PROMPTS, 4)
         with torch.no_grad():
-            gaps[attn] = float((ro.sample_logp - policy.score(ro).logp).abs()[ro.mask].max())
+            gaps[attn] = float((ro.sampled_logp - policy.score(ro).logp).abs()[ro.mask].max())
     assert gaps["eager"] < 1e-5, gaps
     if "sdpa" in gaps:
         assert gaps["sdpa"] > 1e-3, gaps  # the reason eager is the setting to use in bf16

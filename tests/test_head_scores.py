@@ -64,7 +64,7 @@ def _sharpen(policy, factor: float = 40.0) -> None:
 
 
 def _scores_and_grads(policy, ro, logits: bool):
-    batch = policy.score(ro, kappa=True, logits=logits)
+    batch = policy.score(ro, with_token_kl=True, logits=logits)
     loss = gradient_estimator("rb")(batch).mean() + 0.3 * gradient_estimator("loo")(batch).mean()
     params = policy.trainable()
     return batch, torch.autograd.grad(loss, params)
@@ -130,12 +130,12 @@ def test_backward_keeps_no_vocabulary_sized_tensor(tmp_path, tiny_arch):
         saved.append(t.numel())
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        batch = policy.score(ro, kappa=True)
+        batch = policy.score(ro, with_token_kl=True)
         gradient_estimator("rb")(batch).mean().backward()
     assert max(saved) < N * V, (max(saved), N * V)  # the hidden states [B, T, H] are the largest
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # the logits path keeps [N, V] (the check bites)
         saved.clear()
-        policy.score(ro, kappa=True, logits=True)
+        policy.score(ro, with_token_kl=True, logits=True)
     assert max(saved) >= N * V
 
 
@@ -168,7 +168,7 @@ def test_truncated_sampling_and_topk_estimators_keep_the_logits_path(tmp_path, t
     assert line == ("scoring through the full [B, T, V] logits: estimator=topk_tail reads the whole next-token "
                     "distribution")
     torch.manual_seed(0)
-    assert plain.scoring(plain.rollout(PROMPTS, 2), None, True).fused is False
+    assert plain.scoring(plain.rollout(PROMPTS, 2), None, True).from_hidden is False
 
 
 @pytest.mark.parametrize("which", ["logp", "kappa", "entropy", "logp+entropy", "kappa+entropy"])

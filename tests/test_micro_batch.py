@@ -82,7 +82,7 @@ def test_micro_batch_scores_the_same_batch_without_logits(tmp_path, llama_pair, 
         assert torch.allclose(getattr(full, name)[m], getattr(micro, name)[m], atol=1e-5), name
     assert torch.allclose(full.kappa[m], micro.kappa[m], atol=1e-5)
     assert torch.allclose(token_entropy(full)[m], token_entropy(micro)[m], atol=1e-5)
-    s_full, s_micro = policy.sampler_logp(ro, full), policy.sampler_logp(ro, micro)
+    s_full, s_micro = policy.scored_sampler_logp(ro, full), policy.scored_sampler_logp(ro, micro)
     assert not torch.allclose(s_full[m], full.logp[m])
     assert torch.allclose(s_full[m], s_micro[m], atol=1e-5)
 

@@ -59,7 +59,7 @@ def test_rb_gradient_is_the_same_written_into_the_reference_logits(pair, samplin
         seen = []
         logits.register_hook(seen.append)
         kept = ref.clone()
-        _loss(target_batch(logits, ref, resp, ro.mask, sampling, target, kappa=True, donate_ref=donate)).backward()
+        _loss(target_batch(logits, ref, resp, ro.mask, sampling, target, with_token_kl=True, donate_ref=donate)).backward()
         grads.append(logits.grad)
         if sampling.is_plain:  # the reference's logits are the batch's own: the gradient went into them
             assert (seen[0].data_ptr() == ref.data_ptr()) == donate
@@ -68,12 +68,12 @@ def test_rb_gradient_is_the_same_written_into_the_reference_logits(pair, samplin
 
 
 def test_the_policy_step_gives_up_the_reference_logits(pair):
-    """LMPolicy.score(kappa=True) on the logits path hands its reference logits to backward, and its gradient of
+    """LMPolicy.score(with_token_kl=True) on the logits path hands its reference logits to backward, and its gradient of
     every parameter is the one of a batch that keeps them."""
     policy = _policy(*pair)
     torch.manual_seed(0)
     ro = policy.rollout(PROMPTS, 3)
-    batch = policy.score(ro, kappa=True, logits=True)
+    batch = policy.score(ro, with_token_kl=True, logits=True)
     ref = batch.ref_logits
     kept = ref.clone()
     _loss(batch).backward()
@@ -83,7 +83,7 @@ def test_the_policy_step_gives_up_the_reference_logits(pair):
     pos, att = position_ids_from_mask(ro.attention), None
     logits = policy._logits(policy.model, ro, pos, att)
     _loss(target_batch(logits, kept, ro.tokens[:, ro.prompt_len:], ro.mask, policy.sampling, policy.kl_target,
-                       kappa=True)).backward()
+                       with_token_kl=True)).backward()
     for g, p in zip(got, policy.trainable()):
         torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-9)
 

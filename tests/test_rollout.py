@@ -104,8 +104,8 @@ def test_sample_logp_is_the_scoring_logp(gpt2_dir, single_thread):
     torch.manual_seed(0)
     ro = policy.rollout(PROMPTS, 4)
     batch = policy.score(ro)
-    assert ro.sample_logp.shape == batch.logp.shape == ro.mask.shape
-    torch.testing.assert_close(ro.sample_logp[ro.mask], batch.logp.detach()[ro.mask], atol=2e-5, rtol=1e-5)
+    assert ro.sampled_logp.shape == batch.logp.shape == ro.mask.shape
+    torch.testing.assert_close(ro.sampled_logp[ro.mask], batch.logp.detach()[ro.mask], atol=2e-5, rtol=1e-5)
     assert batch.logp.requires_grad and not ro.tokens.is_inference()  # the scoring pass can backpropagate
 
 
@@ -117,7 +117,7 @@ def test_policy_rollouts_equal_with_either_sampler(embedded_dir, single_thread):
         rollouts.append(LMPolicy(model, model, tok, max_new_tokens=16, sampler=sampler).rollout(PROMPTS, 2))
     a, b = rollouts
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.attention, b.attention) and a.texts == b.texts
-    assert a.sample_logp is None and b.sample_logp is not None
+    assert a.sampled_logp is None and b.sampled_logp is not None
     with pytest.raises(ValueError, match="sampler must be one of"):
         LMPolicy(model, model, tok, max_new_tokens=16, sampler="vllm")
 

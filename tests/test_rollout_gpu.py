@@ -103,7 +103,7 @@ def test_hidden_state_scoring_gives_the_logits_path_on_cuda(precision, gpt2_dir,
     runs = []
     for logits in (False, True):
         with ctx():
-            batch = policy.score(ro, kappa=True, logits=logits)
+            batch = policy.score(ro, with_token_kl=True, logits=logits)
             loss = gradient_estimator("rb")(batch).mean()
         runs.append((batch, torch.autograd.grad(loss, policy.trainable())))
     (a, ga), (b, gb) = runs
@@ -128,9 +128,9 @@ def test_rollout_score_backward_on_cuda(precision, gpt2_dir, tiny_lm_dir):
         batch = policy.score(ro)
         loss = gradient_estimator("rb")(batch).mean()
     assert ro.tokens.device.type == "cuda" and batch.logp.device.type == "cuda"
-    assert ro.sample_logp.shape == batch.logp.shape == ro.mask.shape
+    assert ro.sampled_logp.shape == batch.logp.shape == ro.mask.shape
     if precision == "float32":  # bf16 logits differ between the decode steps and the one scoring pass
-        torch.testing.assert_close(ro.sample_logp[ro.mask], batch.logp.detach()[ro.mask], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ro.sampled_logp[ro.mask], batch.logp.detach()[ro.mask], atol=1e-4, rtol=1e-4)
     assert torch.isfinite(loss)
     loss.backward()
     grads = [p.grad for p in policy.trainable()]

@@ -124,14 +124,14 @@ def test_policy_scores_the_target(tiny_lm_dir, other_sharp_dir, target, single_t
     pos, att = position_ids_from_mask(ro.attention), None
     with torch.no_grad():
         logits, ref_logits = policy._logits(model, ro, pos, att), policy._logits(ref, ro, pos, att)
-    expect = target_batch(logits, ref_logits, resp, ro.mask, sampling, target, behaviour_logp=ro.sample_logp)
+    expect = target_batch(logits, ref_logits, resp, ro.mask, sampling, target, behaviour_logp=ro.sampled_logp)
     torch.testing.assert_close(batch.logp.detach(), expect.logp)
     torch.testing.assert_close(batch.ref_logp, expect.ref_logp)
-    slogp = policy.sampler_logp(ro, batch)
-    gap = (ro.sample_logp - slogp.detach())[ro.mask].abs()
+    slogp = policy.scored_sampler_logp(ro, batch)
+    gap = (ro.sampled_logp - slogp.detach())[ro.mask].abs()
     assert gap.max() < 1e-4
     if target == "model":
-        assert torch.equal(batch.old_logp[ro.mask], ro.sample_logp[ro.mask]) and batch.is_off_policy
+        assert torch.equal(batch.old_logp[ro.mask], ro.sampled_logp[ro.mask]) and batch.is_off_policy
         torch.testing.assert_close(batch.logp, token_logprob(batch.logits, resp))  # log pi, untempered
     else:
         assert batch.old_logp is None

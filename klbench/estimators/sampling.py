@@ -143,13 +143,13 @@ def target_pair(logits: torch.Tensor, ref_logits: torch.Tensor, sampling: Sampli
 def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
                  sampling: Sampling, target: str, group: torch.Tensor | None = None,
                  behaviour_logp: torch.Tensor | None = None, chunk_rows: int | None = None,
-                 kappa: bool = False, donate_ref: bool = False) -> KLBatch:
+                 with_token_kl: bool = False, donate_ref: bool = False) -> KLBatch:
     """The KLBatch of `target` for responses `tokens` [B, T] drawn by `sampling` from `logits` [B, T, V].
 
     target=model (sampling not plain): old_logp = log pi_s(y), from `behaviour_logp` [B, T] when the sampler
     kept its own log-probs (then the off-policy estimators also correct for any gap between the sampler's and
     the scorer's arithmetic), else from these logits.
-    kappa: also the exact per-position KL (KLBatch.token_kl), with logp in one pass (token_scores), for an
+    with_token_kl: also the exact per-position KL (KLBatch.token_kl), with logp in one pass (token_scores), for an
     estimator that differentiates it (Estimator.kappa_gradient); else KLBatch.kappa computes it on first use.
     donate_ref: ref_logits are the caller's to give up (LMPolicy's, computed for this batch): kappa's backward
     writes the gradient into them instead of a [B, T, V] of its own (token_scores), so nothing may read them, or
@@ -161,7 +161,7 @@ def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.T
                          f"{tuple(mask.shape)}: one log-prob per response token is needed")
     pol, ref = target_pair(logits, ref_logits, sampling, target)
     token_kl = None
-    if kappa:
+    if with_token_kl:
         logp, token_kl = token_scores(pol, ref, tokens, mask, donate=donate_ref or ref is not ref_logits)
     else:
         logp = token_logprob(pol, tokens)

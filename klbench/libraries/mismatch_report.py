@@ -154,9 +154,9 @@ The RL task logs it as `train/mismatch_*` beside `train/logp_gap_*` (klbench/tas
 ## `task.behaviour` (design)
 
 Which log-probs a batch's behaviour policy carries at `task.kl_target=model`. Today it is `sampler` wherever the
-rollout kept its own log-probs: klbench/models/scoring.py passes `behaviour_logp=sub.sample_logp` to `target_batch`
+rollout kept its own log-probs: klbench/models/scoring.py passes `behaviour_logp=sub.sampled_logp` to `target_batch`
 (the logits path, which `model` off plain sampling always takes), else the scorer's recomputation. The option would
-name the choice: `sampler` (`Rollout.sample_logp`, as a vLLM pipeline sends them) or `scorer`
+name the choice: `sampler` (`Rollout.sampled_logp`, as a vLLM pipeline sends them) or `scorer`
 (`behaviour_logp=None`: `target_batch` recomputes log pi_s from the trainer's logits, which hides the mismatch). The
 table above is its exact effect: with `sampler`, `rb` follows grad KL(pi || pi_ref) under every mismatch that keeps
 support; with `scorer` the mismatch is invisible to every estimator (the "ignored" rows). A shape or mask that

@@ -2,7 +2,7 @@
 
 A policy samples from pi_s (`sampling`: temperature, top-k, top-p; plain pi by default) and scores the KL target it
 holds (`kl_target`, klbench/estimators/sampling.py): which KL the run regularises and measures. The reward term
-always follows the sampler: its REINFORCE log-prob is log pi_s(y) (`Policy.sampler_logp`).
+always follows the sampler: its REINFORCE log-prob is log pi_s(y) (`Policy.scored_sampler_logp`).
 Two policies implement it: klbench.models.lm_policy.LMPolicy (any AutoModelForCausalLM pair: policy, frozen
 reference) and klbench.models.tabular_policy.TabularPolicy (the enumerable tabular model, so that the same
 Lightning module runs against exact ground truth). What is special about the tabular model lives behind this
@@ -33,7 +33,7 @@ class Rollout:
     texts: list[str]  # decoded responses
     prompts: list[str]
     seq_ids: torch.Tensor | None = None  # [B] tabular sequence ids
-    sample_logp: torch.Tensor | None = None  # [B, L] the sampler's log pi_s of its tokens, where it keeps them
+    sampled_logp: torch.Tensor | None = None  # [B, L] the sampler's log pi_s of its tokens, where it keeps them
 
     def rows(self, i: int, j: int) -> "Rollout":
         """Sequences i..j-1: the same prompt length P (left padding kept), every per-sequence field sliced."""
@@ -78,27 +78,27 @@ class Policy(nn.Module):
         """n samples y ~ pi_s per prompt (ancestral; pi itself at plain sampling)."""
         raise NotImplementedError
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = True,
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, with_token_kl: bool = True,
               logits: bool = False) -> KLBatch:
         """The KL target's batch of a rollout's responses (klbench.estimators.sampling.target_batch): the log-probs
         and logits of the two distributions it compares; old_logp = log pi_s for kl_target=model.
         micro_batch_size (task.micro_batch_size; language models): a ScoredBatch built that many sequences at a
         time, whose gradient is the whole batch's (LMPolicy.score).
-        kappa: the exact per-position KL is needed (rb's, for its gradient, its value or the logs): a language model
+        with_token_kl: the exact per-position KL (KLBatch.token_kl) is needed (rb's, for its gradient, its value or the logs): a language model
         scores it with the log-probs in one pass. logits: a language model's batch keeps the [B, T, V] logits
         (top-k estimators read them; klbench.models.scoring)."""
         raise NotImplementedError
 
-    def scoring(self, ro: Rollout, micro_batch_size: int | None, kappa: bool):
+    def scoring(self, ro: Rollout, micro_batch_size: int | None, with_token_kl: bool):
         """A step's scoring of ro in parts (klbench.models.scoring): here the whole batch at once."""
-        return WholeBatch(self.score(ro, micro_batch_size, kappa))
+        return WholeBatch(self.score(ro, micro_batch_size, with_token_kl))
 
-    def sampler_logp(self, ro: Rollout, batch: KLBatch) -> torch.Tensor:
+    def scored_sampler_logp(self, ro: Rollout, batch: KLBatch) -> torch.Tensor:
         """[B, T] log pi_s(y), differentiable: the reward term's REINFORCE log-prob (the run maximises the reward
         of the policy as it samples, E_{y ~ pi_s}[r]), and the scorer's side of train/logp_gap. It is batch.logp
         itself wherever the target scores pi_s (sampler; tempered targets without truncation)."""
-        if isinstance(batch, ScoredBatch) and batch.sampler_logp is not None:  # computed per micro-batch
-            return batch.sampler_logp
+        if isinstance(batch, ScoredBatch) and batch.scored_sampler_logp is not None:  # computed per micro-batch
+            return batch.scored_sampler_logp
         s, target = self.sampling, self.kl_target
         if s.is_plain or target == "sampler" or (target != "model" and not s.truncates):
             return batch.logp

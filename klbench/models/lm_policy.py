@@ -74,7 +74,7 @@ class LMPolicy(Policy):
         texts = self.tok.batch_decode(torch.where(mask, resp, self.tok.pad_token_id), skip_special_tokens=True)
         group = torch.arange(len(prompts), device=ids.device).repeat_interleave(n)
         return Rollout(torch.cat([ids, resp], 1), torch.cat([attn, mask.long()], 1), ids.shape[1], mask, group, texts,
-                       [p for p in prompts for _ in range(n)], sample_logp=s.logp)
+                       [p for p in prompts for _ in range(n)], sampled_logp=s.logp)
 
     def _logits(self, model, ro: Rollout, pos: torch.Tensor, mask=None) -> torch.Tensor:
         """[B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2): the logits path."""
@@ -88,18 +88,18 @@ class LMPolicy(Policy):
                        use_cache=False).logits
         return logits if logits.shape[1] == L else logits[:, -(L + 1):-1]
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = True,
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, with_token_kl: bool = True,
               logits: bool = False) -> KLBatch:
         # the parts' graphs are kept together: the caller backpropagates the whole batch (a step instead
         # backpropagates each part at once: klbench/tasks/step.py)
-        scoring = Scoring(self, ro, micro_batch_size, kappa, logits)
+        scoring = Scoring(self, ro, micro_batch_size, with_token_kl, logits)
         for _ in scoring.parts(keep_graph=True):
             pass
         return scoring.whole()
 
-    def scoring(self, ro: Rollout, micro_batch_size: int | None, kappa: bool) -> Scoring:
+    def scoring(self, ro: Rollout, micro_batch_size: int | None, with_token_kl: bool) -> Scoring:
         """A step's scoring of ro, a micro-batch at a time (klbench.models.scoring)."""
-        return Scoring(self, ro, micro_batch_size, kappa)
+        return Scoring(self, ro, micro_batch_size, with_token_kl)
 
     def _read_heads(self) -> str | None:
         """How this policy's scores are computed: from hidden states (None) or, with the reason, from the logits."""

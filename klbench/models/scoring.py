@@ -1,6 +1,6 @@
 """Scoring a language model's rollout: the per-position quantities every estimator reads, a micro-batch at a time.
 
-    scoring = Scoring(policy, ro, micro_batch_size, kappa=True)
+    scoring = Scoring(policy, ro, micro_batch_size, with_token_kl=True)
     for i, j, part in scoring.parts():        # rows i..j-1, a ScoredBatch with gradient
         loss_fn(scoring.splice(part, i, j))   # the whole batch, rows i..j-1 live, the others frozen stand-ins
     scoring.whole()                           # every row's scores, assembled
@@ -34,7 +34,7 @@ from klbench.models.head import final_hidden, gathered_heads
 from klbench.models.rollout import attention_backends, position_ids_from_mask
 
 # the fields of a ScoredBatch that hold one row per sequence
-ROWS = ("logp", "ref_logp", "mask", "group", "old_logp", "token_kl", "sampler_logp", "entropy")
+ROWS = ("logp", "ref_logp", "mask", "group", "old_logp", "token_kl", "scored_sampler_logp", "entropy")
 
 
 @dataclass
@@ -42,11 +42,11 @@ class ScoredBatch(KLBatch):
     """A KLBatch of per-position reductions: token_kl (rb's kappa) where asked for, no [B, T, V] logits (unless a
     single part of the logits path keeps them).
 
-    sampler_logp: [B, T] log pi_s(y), differentiable, where it is not logp itself (Policy.sampler_logp)
+    scored_sampler_logp: [B, T] log pi_s(y), differentiable, where it is not logp itself (Policy.scored_sampler_logp)
     entropy:      [B, T] exact per-position entropy of the batch's policy (train/entropy)
     """
 
-    sampler_logp: torch.Tensor | None = None
+    scored_sampler_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
 
 
@@ -88,18 +88,18 @@ def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 class Scoring:
-    """One rollout's scoring by an LMPolicy (the module docstring). kappa: compute the exact per-position KL (the
+    """One rollout's scoring by an LMPolicy (the module docstring). with_token_kl: compute the exact per-position KL (the
     estimator differentiates it, or the step logs or controls with rb). logits: the logits path whatever the
     policy's default (the probe measures top-k estimators)."""
 
-    def __init__(self, policy, ro, micro_batch_size: int | None, kappa: bool, logits: bool = False):
-        self.policy, self.ro, self.kappa = policy, ro, kappa
+    def __init__(self, policy, ro, micro_batch_size: int | None, with_token_kl: bool, logits: bool = False):
+        self.policy, self.ro, self.with_token_kl = policy, ro, with_token_kl
         B = ro.tokens.shape[0]
         m = B if micro_batch_size is None else min(B, int(micro_batch_size))
         self.cuts = [(i, min(B, i + m)) for i in range(0, B, m)]
-        self.fused = not logits and policy.logits_reason is None and policy.scoring_reason is None
+        self.from_hidden = not logits and policy.logits_reason is None and policy.scoring_reason is None
         self.kept: list[ScoredBatch] = []
-        self.ref = self._reference() if self.fused else None
+        self.ref = self._reference() if self.from_hidden else None
         self.context = self._context() if len(self.cuts) > 1 else None
 
     # ---- the passes ----
@@ -132,28 +132,28 @@ class Scoring:
         """Every row's detached scores for what a loss reads across sequences: the sampler's own log-probs where
         they are the batch's log-probs (and log pi_s), otherwise one pass without gradient."""
         ro = self.ro
-        if self.fused and ro.sample_logp is not None:
-            logp = torch.where(ro.mask, ro.sample_logp.float(), 0.0)
+        if self.from_hidden and ro.sampled_logp is not None:
+            logp = torch.where(ro.mask, ro.sampled_logp.float(), 0.0)
             return ScoredBatch(logp, self.ref.logp, ro.mask, group=ro.group)
         with torch.no_grad(), self._heads():
             return self._assemble([self._part(i, j) for i, j in self.cuts])
 
     def _heads(self, release: bool = True):
         """The block in which the hidden-state path reads both LM heads (klbench.models.head.gathered_heads)."""
-        return gathered_heads(self.policy.model, self.policy.ref, release=release) if self.fused else nullcontext()
+        return gathered_heads(self.policy.model, self.policy.ref, release=release) if self.from_hidden else nullcontext()
 
     def _part(self, i: int, j: int) -> ScoredBatch:
         sub = self.ro.rows(i, j)
         self.policy.rows_forwarded += j - i
-        return self._fused_part(sub, i, j) if self.fused else self._logits_part(sub)
+        return self._hidden_part(sub, i, j) if self.from_hidden else self._logits_part(sub)
 
-    def _fused_part(self, sub, i: int, j: int) -> ScoredBatch:
+    def _hidden_part(self, sub, i: int, j: int) -> ScoredBatch:
         head, ref_head = self.policy.heads
         with attention_backends(sub.tokens.device):
             h = final_hidden(self.policy.model, sub.mask.shape[1], **self._inputs(sub))  # [m, L, H]
         mask = sub.mask
         tok = sub.tokens[:, self.ro.prompt_len:][mask]  # [N]
-        s = head_scores(h[mask], head, tok, self.ref.hidden[i:j][mask], ref_head, kappa=self.kappa,
+        s = head_scores(h[mask], head, tok, self.ref.hidden[i:j][mask], ref_head, kappa=self.with_token_kl,
                         ref_norm=tuple(x[i:j][mask] for x in self.ref.norm))
         kappa = None if s.kappa is None else _scatter(mask, s.kappa)
         return ScoredBatch(_scatter(mask, s.logp), self.ref.logp[i:j], mask, group=sub.group, token_kl=kappa,
@@ -169,13 +169,13 @@ class Scoring:
         resp = sub.tokens[:, sub.prompt_len:]
         # the reference's logits are this part's alone: rb's backward writes its gradient into them (donate_ref)
         b = target_batch(logits, ref_logits, resp, sub.mask, policy.sampling, policy.kl_target, group=sub.group,
-                         behaviour_logp=sub.sample_logp, kappa=self.kappa, donate_ref=True)
-        slogp = policy.sampler_logp(sub, b)
+                         behaviour_logp=sub.sampled_logp, with_token_kl=self.with_token_kl, donate_ref=True)
+        slogp = policy.scored_sampler_logp(sub, b)
         whole = len(self.cuts) == 1  # one part keeps its logits: estimators that read them (top-k) can
         ent = None if whole else exact_token_entropy(b.logits.detach(), b.mask, b.chunk_rows)
         return ScoredBatch(b.logp, b.ref_logp, b.mask, *((b.logits, b.ref_logits) if whole else (None, None)),
                            group=b.group, chunk_rows=b.chunk_rows, old_logp=b.old_logp, token_kl=b.token_kl,
-                           sampler_logp=None if slogp is b.logp else slogp, entropy=ent)
+                           scored_sampler_logp=None if slogp is b.logp else slogp, entropy=ent)
 
     # ---- what a step reads ----
 

@@ -50,7 +50,7 @@ class TabularPolicy(Policy):
         group = torch.arange(len(prompts)).repeat_interleave(n)
         return Rollout(tokens, mask.long(), 0, mask, group, texts, [p for p in prompts for _ in range(n)], ids)
 
-    def score(self, ro: Rollout, micro_batch_size: int | None = None, kappa: bool = True,
+    def score(self, ro: Rollout, micro_batch_size: int | None = None, with_token_kl: bool = True,
               logits: bool = False) -> KLBatch:
         # micro_batch_size: the schema refuses it here (the table is the whole model: nothing to save); kappa
         # is computed on first use from the [B, T, K] table logits, which exist whole already

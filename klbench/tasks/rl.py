@@ -5,7 +5,7 @@ Reward gradient: REINFORCE with the advantage task.advantage (rloo by default: a
 the n samples of a prompt) aggregated over tokens as task.loss_agg (klbench/estimators/advantages.py), on the
 sampler's log pi_s (the reward is that of the policy as it samples, task.temperature/top_k/top_p).
 KL gradient: beta * the configured gradient estimator's surrogate on the KL target's batch (task.kl_target,
-docs/sampling.md); with estimator=in_reward kl_norm=fused the KL value enters the reward before the advantage
+docs/sampling.md); with estimator=in_reward kl_norm=before the KL value enters the reward before the advantage
 instead, and there is no separate KL term. Every value estimator is logged on the same batch so that their
 disagreement is visible step by step, where the batch's samples are y ~ its policy (not for kl_target=model off
 plain sampling).
@@ -64,8 +64,8 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         # beta lives in the controller (klbench/tasks/kl_control.py): estimator.beta when kl_ctl=fixed
         self.kl_ctl = build_kl_control(kl_ctl_cfg, float(estimator_cfg["beta"]))
         self.cfg = dict(task_cfg)
-        # the KL fused into the reward before the advantage (in_reward kl_norm=fused): no separate KL term
-        self.fused = getattr(self.estimator, "options", {}).get("kl_norm") == "before"
+        # the KL fused into the reward before the advantage (in_reward kl_norm=before): no separate KL term
+        self.kl_in_reward_adv = getattr(self.estimator, "options", {}).get("kl_norm") == "before"
         self.values = {label: value_estimator(name, **o) for label, (name, o) in REPORTED_VALUES.items()}
         line = getattr(policy, "scoring_line", None)  # a language model says how it scores, once
         if line is not None:
@@ -86,7 +86,7 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         i = step % k  # the step's place in its rollout: 0 draws a fresh one (on-policy), > 0 reuses pi_old's
         ro, reward = self.step_rollout(prompts, step, i)
         where = f"step {step}" if k == 1 else f"step {step} (step {i} of its rollout)"
-        scoring = self.policy.scoring(ro, self.micro_batch_size, self.needs_kappa(step))
+        scoring = self.policy.scoring(ro, self.micro_batch_size, self.needs_token_kl(step))
         # backward runs here, a micro-batch at a time (klbench/tasks/step.py); Lightning's own then applies its sum
         batch, loss, (n_clamped, slogp, pi_old, ppo_stats) = backward_in_parts(
             self.policy, scoring, lambda b: self.step_loss(b, ro, reward, i, where))
@@ -113,7 +113,7 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         """The step's loss on a whole batch (klbench.tasks.step.backward_in_parts), and (the estimator's clamp
         count, the scorer's log pi_s [B, T] detached, pi_old's (adv, old_logp, old_sampler_logp) at task.inner_steps
         > 1, PPO's ratio statistics). i: the step's place in its rollout (always 0 at task.inner_steps=1)."""
-        slogp = self.policy.sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
+        slogp = self.policy.scored_sampler_logp(ro, batch)  # [B, T] log pi_s: batch.logp unless the target scores another
         slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
         if self.inner_steps == 1:  # on-policy: REINFORCE on log pi_s
             adv = self.reward_advantage(batch, reward, ro.group)  # [B]
@@ -146,10 +146,10 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         """task.inner_steps: optimiser steps per rollout (1: on-policy)."""
         return int(self.cfg.get("inner_steps", 1))
 
-    def needs_kappa(self, step: int) -> bool:
+    def needs_token_kl(self, step: int) -> bool:
         """Whether a step's scoring computes the exact per-position KL: the estimator differentiates it, or the step
         logs rb's value (train/kl_rb) or controls beta with it."""
-        return self.kappa or self.logging_step(step) or self.kl_ctl.signal == "rb"
+        return self.loss_reads_token_kl or self.logging_step(step) or self.kl_ctl.signal == "rb"
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -157,7 +157,7 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         return self.cfg.get("micro_batch_size")
 
     @property
-    def kappa(self) -> bool:
+    def loss_reads_token_kl(self) -> bool:
         """Whether the loss reads the exact per-position KL (rb, vopd): the policy scores it with the log-probs."""
         return getattr(self.estimator, "reads_kappa", False)
 
@@ -167,9 +167,9 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         return self.cfg.get("loss_agg", "seq_sum"), int(self.cfg["max_new_tokens"])
 
     def reward_advantage(self, batch, reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-        """[B] task.advantage of the rewards [B]; with the KL fused (in_reward kl_norm=fused), of
+        """[B] task.advantage of the rewards [B]; with the KL fused (in_reward kl_norm=before), of
         reward_coef r - beta v, v the estimator's detached per-sequence value."""
-        if self.fused:
+        if self.kl_in_reward_adv:
             reward = self.cfg["reward_coef"] * reward - self.beta * self.estimator.sequence_value(batch).to(reward.dtype)
         return advantage(reward, group, self.cfg.get("advantage", "rloo"),
                          float(self.cfg.get("adv_eps", 1e-6))).to(batch.logp.dtype)
@@ -198,7 +198,7 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         """reward_coef * the reward part + beta * the mean KL surrogate, and the estimator's clamp count (None
         without a clamp). A non-finite loss stops the run here, naming both parts, before it reaches the weights.
         With the KL fused into the reward, loss_reward already holds reward_coef and beta: it is the loss."""
-        if self.fused:
+        if self.kl_in_reward_adv:
             est, loss_kl, loss = None, torch.zeros(()), loss_reward
         else:
             est = self.estimator.estimate(batch)

@@ -32,7 +32,7 @@ class TrainMetrics:
     @torch.no_grad()
     def log_train(self, batch, reward, ro, loss, n_clamped, slogp=None, on_policy: bool = True,
                   extra: dict | None = None) -> None:
-        """slogp: [B, T] the scorer's log pi_s (Policy.sampler_logp), for train/logp_gap_*. on_policy: False on a
+        """slogp: [B, T] the scorer's log pi_s (Policy.scored_sampler_logp), for train/logp_gap_*. on_policy: False on a
         rollout's later steps (task.inner_steps > 1), whose samples come from pi_old: the reward, the loss and the
         length only. extra: more metrics of the step (PPO's ratio statistics)."""
         m = {"train/reward": reward.mean(), "train/loss": loss.detach(),
@@ -46,15 +46,15 @@ class TrainMetrics:
         off = batch.is_off_policy
         m.update({f"train/kl_{label}": est(batch).float().mean() for label, est in self.values.items()
                   if (label != "rb" or has_distributions(batch)) and (not off or est.supports_off_policy())})
-        if ro.sample_logp is not None and slogp is not None:
+        if ro.sampled_logp is not None and slogp is not None:
             # the sampler's own log pi_s against the scoring pass's, real tokens only: 0 where both run the same
             # arithmetic (float32 on CPU), not in bf16 with SDPA (docs/sampling.md, "Sampler and scorer")
-            gap = (ro.sample_logp.to(slogp.dtype) - slogp.detach())[batch.mask].abs()
+            gap = (ro.sampled_logp.to(slogp.dtype) - slogp.detach())[batch.mask].abs()
             if gap.numel():
                 m["train/logp_gap_max"], m["train/logp_gap_mean"] = gap.max(), gap.mean()
                 # the meter: k1, k3 and chi^2 of pi_s as sampled against pi_s as scored (docs/mismatch.md)
                 m.update({f"train/{k}": v for k, v in
-                          mismatch_metrics(ro.sample_logp.to(slogp.dtype), slogp.detach(), batch.mask).items()})
+                          mismatch_metrics(ro.sampled_logp.to(slogp.dtype), slogp.detach(), batch.mask).items()})
         for key, v in self.judged(ro).items():  # no_answer: how many of the step's responses had none
             m[f"train/{key}"] = v.sum() if key == "no_answer" else v.mean()
         entropy = token_entropy(batch)  # [B, T] or None

@@ -26,8 +26,8 @@ class Validation:
             # rb needs y ~ pi, so the KL is measured on a second draw from pi itself (the same stream, after)
             target = self.policy.on_target()
             ro_kl = ro if target is self.policy else target.rollout(prompts, self.cfg["val_samples"])
-        # the view scores its own draws: y ~ pi, an on-policy batch of the target; kappa for rb's val/seq_kl
-        batch = target.score(ro_kl, self.micro_batch_size, kappa=True)
+        # the view scores its own draws: y ~ pi, an on-policy batch of the target; its exact per-position KL for rb's val/seq_kl
+        batch = target.score(ro_kl, self.micro_batch_size, with_token_kl=True)
         reward = self.rewards(ro)
         seq_kl = self.values["rb"](batch)  # [B]: unbiased, low variance, never the training estimator
         judged = {k: v.tolist() for k, v in self.judged(ro).items()}
