@@ -112,7 +112,7 @@ def _main(cfg: DictConfig, once: bool = False) -> tuple[float, float] | None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # fails this trial only; the sweep records it and goes on
         fail(str(e))
-    from klbench.tasks.train import run  # first: it imports Lightning without what klbench never uses (lean.py)
+    from klbench.tasks.train import run_task  # first: it imports Lightning without what klbench never uses (lean.py)
     from klbench.record.resume import ResumeError
     from klbench.config.schema import ConfigError
     from klbench.record.lifecycle import RecordUnavailable, store_failure
@@ -121,7 +121,7 @@ def _main(cfg: DictConfig, once: bool = False) -> tuple[float, float] | None:
         gc.freeze()
         gc.enable()
     try:
-        metrics = run(cfg)
+        metrics = run_task(cfg)
     except Exception as e:  # what the user can act on is said in one line, with what to do
         redact_exception(e)  # whatever prints it next (Hydra, a sweep's log) shows no password
         if HydraConfig.get().mode == RunMode.MULTIRUN:

@@ -18,8 +18,8 @@ import tempfile
 CHILD = """
 import json, resource, sys
 from klbench.config.compose import compose
-from klbench.tasks.train import run
-out = run(compose(sys.argv[2:], outputs=sys.argv[1] + "/outputs", run_dir=sys.argv[1] + "/run"))
+from klbench.tasks.train import run_task
+out = run_task(compose(sys.argv[2:], outputs=sys.argv[1] + "/outputs", run_dir=sys.argv[1] + "/run"))
 print("RESULT " + json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                               "seq_kl": out["val/seq_kl"]}))
 """

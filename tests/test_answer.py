@@ -118,7 +118,7 @@ def test_embedded_dataset_has_no_answers(tmp_path):
 
 def test_run_logs_accuracy_and_no_answer(tmp_path, tiny_lm_dir):
     import mlflow
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     # reference "e" for every prompt, answer = the response's last letter e..z: the tiny random LM gets some
     # right, some wrong, and some with no such letter at all
     prompts = [f"the film was {w}" for w in ("good", "bad", "long", "odd", "fine", "dull", "great", "slow")]
@@ -131,7 +131,7 @@ def test_run_logs_accuracy_and_no_answer(tmp_path, tiny_lm_dir):
                                  "reward.extract=regex", "reward.pattern='[e-z]'", "dataset=jsonl",
                                  f"dataset.train_path={train}", f"dataset.val_path={val}",
                                  "dataset.answer_field=ans"])
-    out = run(cfg)
+    out = run_task(cfg)
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
     (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
     for key in ("val/accuracy", "val/no_answer", "train/accuracy", "train/no_answer"):

@@ -72,11 +72,11 @@ def test_scoring_is_a_plain_forward(arch, tiny_arch, single_thread):
 
 
 def _short_run(tmp_path, *overrides):
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     cfg = compose_cfg(tmp_path, ["model=hf", "logger=none", "task.max_steps=2", "task.val_every=2",
                                  "task.prompts_per_step=2", "task.n_samples=2", "task.val_prompts=2",
                                  "task.max_new_tokens=8", *overrides])
-    return run(cfg)
+    return run_task(cfg)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

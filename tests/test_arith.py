@@ -52,12 +52,12 @@ def test_experiment_arith_runs_and_logs_accuracy(tmp_path):
     """experiment=arith end to end on a briefly pretrained arith LM (the preset's corpus and model shape, 40
     steps): the run builds it, trains with grpo and reward=answer, and logs val/accuracy as the sweep's
     objective. How far the real preset gets: docs/rlvr.md."""
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     from test_config import compose_cfg
     cfg = compose_cfg(tmp_path, ["experiment=arith", "model.spec.steps=40", "model.spec.corpus_size=3000",
                                  "task.max_steps=2", "task.val_every=2", "task.prompts_per_step=2",
                                  "task.n_samples=2", "task.val_prompts=4", "task.val_samples=2", "logger=csv"])
     assert list(cfg.optimized_metrics) == ["val/accuracy", "val/seq_kl"]
-    out = run(cfg)
+    out = run_task(cfg)
     assert 0 <= out["val/accuracy"] <= 1 and 0 <= out["val/no_answer"] <= 1 and out["val/seq_kl"] >= 0
     assert out["val/reward"] == out["val/accuracy"]  # no format reward

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from klbench.tasks.train import check_config, run
+from klbench.tasks.train import check_config, run_task
 from test_config import compose_cfg
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -23,7 +23,7 @@ def test_bf16_true_is_refused_on_a_gpu_without_bfloat16(tmp_path, monkeypatch):
 
 def test_a_bf16_true_run_trains_from_hidden_states(tmp_path, tiny_arch, capsys):
     path, ref = tiny_arch("llama")
-    out = run(compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={path}", f"model.ref_name_or_path={ref}",
+    out = run_task(compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={path}", f"model.ref_name_or_path={ref}",
                                      "hardware=bf16_true", "task.max_steps=2", "task.val_every=2",
                                      "task.prompts_per_step=2", "task.n_samples=2", "task.max_new_tokens=6",
                                      "task.val_prompts=2", "logger=csv", "estimator=rb"]))

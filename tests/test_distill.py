@@ -19,7 +19,7 @@ from klbench.analysis.mlflow_io import REPORT_TAG, collect_curves, log_report
 from klbench.record.runs import RUN_ID_FILE
 from klbench.sweep.distill import DistillReport
 from klbench.exact.tabular import TabularModel
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 from tiny_lms import save_sharpened_variant
 from test_config import compose_cfg
 
@@ -45,7 +45,7 @@ def exact_seq_kl(student: TabularModel, theta: torch.Tensor, teacher: TabularMod
 @pytest.mark.parametrize("estimator", [e for e in ESTIMATORS if e != "topk_trunc"])  # the pitfall falls short
 def test_tabular_distill_lowers_the_exact_kl(tmp_path, single_thread, estimator):
     cfg = compose_cfg(tmp_path, TABULAR + [f"estimator={estimator}"])
-    out = run(cfg)
+    out = run_task(cfg)
     client, r = only_run(cfg)
     m = cfg.model
     student = TabularModel(m.K, m.T, eos=m.eos, seed=m.ref_seed, ref_scale=m.ref_scale)
@@ -81,7 +81,7 @@ def lm_distill(tmp_path, student, teacher, extra=()):
 
 def test_tiny_lm_distill_logs_to_mlflow(tmp_path, single_thread, tiny_lm_dir, tiny_teacher_dir):
     cfg = lm_distill(tmp_path, tiny_lm_dir, tiny_teacher_dir)
-    out = run(cfg)
+    out = run_task(cfg)
     client, r = only_run(cfg)
     assert r.info.status == "FINISHED" and r.info.run_name == "loo b=1 s0 distill-hf"
     p = r.data.params
@@ -117,7 +117,7 @@ def assert_nothing_ran(tmp_path):
 def test_lm_vocab_mismatch_stops_before_training(tmp_path, tiny_lm_dir, other_tiny_lm_dir):
     cfg = lm_distill(tmp_path, tiny_lm_dir, other_tiny_lm_dir)
     with pytest.raises(ValueError, match="student \\(model\\) and teacher tokenizers differ"):
-        run(cfg)
+        run_task(cfg)
     assert_nothing_ran(tmp_path)
 
 
@@ -135,7 +135,7 @@ NO_TEACHER = ["task=distill", "model=tabular", "reward=none", "estimator.beta=1.
 def test_tabular_bad_input_stops_before_training(tmp_path, overrides, match):
     cfg = compose_cfg(tmp_path, overrides)
     with pytest.raises(ValueError, match=match):
-        run(cfg)
+        run_task(cfg)
     assert_nothing_ran(tmp_path)
 
 

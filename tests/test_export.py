@@ -16,7 +16,7 @@ from test_config import compose_cfg
 from klbench.models.policies import LMPolicy
 from klbench.record import resume
 from klbench.tasks.export import export, load_policy
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 
 RUN = ["task.prompts_per_step=4", "task.val_prompts=4", "task.max_new_tokens=8", "task.max_steps=4",
        "task.val_every=4", "task.log_every=1", "task.temperature=0.7", "task.top_p=0.9",
@@ -28,7 +28,7 @@ RUN = ["task.prompts_per_step=4", "task.val_prompts=4", "task.max_new_tokens=8",
 def lora_run(tmp_path_factory, tiny_arch):
     """A LoRA run on the tiny chat Llama (chat template, two stop ids), recorded in a real MLflow store."""
     tmp = tmp_path_factory.mktemp("lora_run")
-    run(compose_cfg(tmp, ["model=hf", f"model.name_or_path={tiny_arch('llama')[0]}", "model.lora.r=4", *RUN]))
+    run_task(compose_cfg(tmp, ["model=hf", f"model.name_or_path={tiny_arch('llama')[0]}", "model.lora.r=4", *RUN]))
     return tmp / "run"
 
 
@@ -36,7 +36,7 @@ def lora_run(tmp_path_factory, tiny_arch):
 def full_run(tmp_path_factory, tiny_lm_dir):
     """The whole tiny GPT-2 trained (no LoRA)."""
     tmp = tmp_path_factory.mktemp("full_run")
-    run(compose_cfg(tmp, ["model=hf", f"model.name_or_path={tiny_lm_dir}", "logger=csv", *RUN]))
+    run_task(compose_cfg(tmp, ["model=hf", f"model.name_or_path={tiny_lm_dir}", "logger=csv", *RUN]))
     return tmp / "run"
 
 

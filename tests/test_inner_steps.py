@@ -12,7 +12,7 @@ from omegaconf import open_dict
 import klbench.tasks.rl as rl_module
 from klbench.config.schema import ConfigError, validate
 from klbench.estimators.advantages import ppo_reward_loss
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 from test_config import compose_cfg
 
 TABULAR = ["experiment=tabular", "task.val_every=8", "task.max_steps=16"]
@@ -24,11 +24,11 @@ def test_inner_steps_1_is_the_unchanged_path(tmp_path, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("ppo_reward_loss called with inner_steps=1")
     monkeypatch.setattr(rl_module, "ppo_reward_loss", forbidden)
-    a = run(compose_cfg(tmp_path / "a", TABULAR + ["logger=none", "task.inner_steps=1", "task.clip_eps=0.05"]))
+    a = run_task(compose_cfg(tmp_path / "a", TABULAR + ["logger=none", "task.inner_steps=1", "task.clip_eps=0.05"]))
     cfg = compose_cfg(tmp_path / "b", TABULAR + ["logger=none"])
     with open_dict(cfg):
         del cfg.task.inner_steps, cfg.task.clip_eps
-    b = run(cfg)
+    b = run_task(cfg)
     assert a == b
 
 
@@ -79,11 +79,11 @@ def test_ppo_reward_loss_clips_and_counts():
 
 def test_off_policy_run_logs_ratios_and_resumes_exactly(tmp_path):
     over = ["task.inner_steps=4", "estimator=in_loss", "estimator.value=k3", "task.log_every=1"]
-    straight = run(compose_cfg(tmp_path / "a", TABULAR + over + ["logger=none"]))
+    straight = run_task(compose_cfg(tmp_path / "a", TABULAR + over + ["logger=none"]))
     first = compose_cfg(tmp_path / "b", TABULAR + over + ["task.max_steps=8"])
-    run(first)
+    run_task(first)
     resumed = compose_cfg(tmp_path / "b", TABULAR + over + ["ckpt_path=last", "ckpt_allow_changes=[task.max_steps]"])
-    out = run(resumed)
+    out = run_task(resumed)
     assert math.isclose(out["val/seq_kl"], straight["val/seq_kl"], rel_tol=1e-9)
     assert math.isclose(out["val/reward"], straight["val/reward"], rel_tol=1e-9)
     client = mlflow.MlflowClient(resumed.logger.tracking_uri)

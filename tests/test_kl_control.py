@@ -22,7 +22,7 @@ from omegaconf import open_dict
 
 from klbench.tasks.kl_control import SIGNALS, AdaptiveKL, FixedKL, build_kl_control
 from klbench.config.schema import ConfigError, validate
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 from test_config import compose_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,7 +187,7 @@ def held(cfg) -> tuple[float, float]:
 
 
 def check_holds(cfg) -> None:
-    run(cfg)
+    run_task(cfg)
     ratio, ringing = held(cfg)
     # the controller before issue 18 (kp=0, horizon 160 sequences, clip 0.2) fails all three cases of
     # test_adaptive_holds_the_exact_kl_at_its_defaults on both counts (docs/kl-control.md, Tests)
@@ -221,13 +221,13 @@ def test_resume_continues_the_beta_trajectory_exactly(tmp_path):
     """30 steps straight == 10, stop, resume to 30: same beta every step (the controller's state travels in
     the checkpoint; without it the resumed run would restart from init_beta), same metrics."""
     straight = compose_cfg(tmp_path / "a", SHORT + ["task.max_steps=30"])
-    full = run(straight)
-    run(compose_cfg(tmp_path / "b", SHORT + ["task.max_steps=10"]))
+    full = run_task(straight)
+    run_task(compose_cfg(tmp_path / "b", SHORT + ["task.max_steps=10"]))
     ckpt = torch.load(tmp_path / "b" / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["kl_ctl"]["name"] == "adaptive" and ckpt["kl_ctl"]["beta"] != 0.5 != ckpt["kl_ctl"]["beta_i"]
     resumed = compose_cfg(tmp_path / "b", SHORT + ["task.max_steps=30", "ckpt_path=last",
                                                    "ckpt_allow_changes=[task.max_steps]"])
-    out = run(resumed)
+    out = run_task(resumed)
     a, b = history(straight, "train/beta"), history(resumed, "train/beta")
     assert [s for s, _ in b] == list(range(30)) and a == b
     assert a[-1][1] != a[10][1] != a[0][1]  # beta moved both before and after the interruption
@@ -240,7 +240,7 @@ def test_resume_continues_the_beta_trajectory_exactly(tmp_path):
 def test_fixed_logs_a_constant_beta_and_resume_refuses_a_controller_change(tmp_path):
     fixed = compose_cfg(tmp_path, ["experiment=tabular", "task.max_steps=10", "task.val_every=10",
                                    "estimator.beta=0.3"])
-    run(fixed)
+    run_task(fixed)
     steps, betas = zip(*history(fixed, "train/beta"))
     assert steps == tuple(range(10)) and betas == pytest.approx([0.3] * 10, rel=1e-7)  # logged as float32
     assert history(fixed, "train/kl_ctl_signal") == []
@@ -249,7 +249,7 @@ def test_fixed_logs_a_constant_beta_and_resume_refuses_a_controller_change(tmp_p
                                    "estimator.beta=0.3", "kl_ctl=adaptive", "ckpt_path=last",
                                    "ckpt_allow_changes=[task.max_steps]"])
     with pytest.raises(ResumeError, match=r"kl_ctl.name \('fixed' in the checkpoint, 'adaptive' now\)"):
-        run(other)
+        run_task(other)
 
 
 def test_checkpoint_from_before_kl_ctl_resumes_as_fixed():
@@ -271,7 +271,7 @@ def test_adaptive_on_a_language_model(tmp_path, tiny_lm_dir):
                                  "task.val_every=2", "task.prompts_per_step=4", "task.val_prompts=4",
                                  "task.max_new_tokens=8", "estimator=naive_mc", "estimator.beta=1.0",
                                  "kl_ctl=adaptive", "kl_ctl.signal=k3", "kl_ctl.target=0.01"])
-    run(cfg)
+    run_task(cfg)
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
     (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
     assert r.info.run_name == "naive_mc klt=0.01 sig=k3 s0 rl-hf"
@@ -291,8 +291,8 @@ def test_checkpoint_from_before_issue_18_resumes_the_old_controller(tmp_path):
     from klbench.record.resume import ResumeError
     old = SHORT + ["kl_ctl.kp=0", "kl_ctl.horizon_unit=sequences", "kl_ctl.horizon=400", "kl_ctl.clip=0.2"]
     straight = compose_cfg(tmp_path / "a", old + ["task.max_steps=30"])
-    run(straight)
-    run(compose_cfg(tmp_path / "b", old + ["task.max_steps=10"]))
+    run_task(straight)
+    run_task(compose_cfg(tmp_path / "b", old + ["task.max_steps=10"]))
     path = tmp_path / "b" / "run" / "checkpoints" / "last.ckpt"
     ckpt = torch.load(path, weights_only=True)
     for key in ("kp", "horizon_unit"):  # what a checkpoint made before issue 18 holds
@@ -304,9 +304,9 @@ def test_checkpoint_from_before_issue_18_resumes_the_old_controller(tmp_path):
                                           r"kl_ctl.horizon \(400 in the checkpoint, 10 now\); "
                                           r"kl_ctl.horizon_unit \('sequences' in the checkpoint, 'steps' now\); "
                                           r"kl_ctl.kp \(0.0 in the checkpoint, 1.0 now\)"):
-        run(compose_cfg(tmp_path / "b", SHORT + resume))
+        run_task(compose_cfg(tmp_path / "b", SHORT + resume))
     resumed = compose_cfg(tmp_path / "b", old + resume)
-    run(resumed)
+    run_task(resumed)
     assert history(straight, "train/beta") == history(resumed, "train/beta")
 
 

@@ -11,7 +11,7 @@ import torch
 from klbench.config.schema import ConfigError, validate
 from klbench.models.hf import load_causal_lm
 from klbench.models.policies import LMPolicy, build_policy
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 from test_config import compose_cfg
 
 
@@ -56,12 +56,12 @@ def test_checkpoint_holds_the_adapter_only_and_resumes_exactly(tmp_path, tiny_ll
     # naive_mc's per-sample noise moves the adapter off pi_ref (every sound KL gradient is zero at pi == pi_ref,
     # and the random model earns no reward), so that the resumed run has something to match
     moving = ["estimator=naive_mc", "estimator.beta=1.0", "logger=none"]
-    straight = run(_lora_cfg(tmp_path / "a", tiny_llama_dir, "task.max_steps=8", *moving))
-    run(_lora_cfg(tmp_path / "b", tiny_llama_dir, "task.max_steps=4", *moving))
+    straight = run_task(_lora_cfg(tmp_path / "a", tiny_llama_dir, "task.max_steps=8", *moving))
+    run_task(_lora_cfg(tmp_path / "b", tiny_llama_dir, "task.max_steps=4", *moving))
     ckpt = torch.load(tmp_path / "b" / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     keys = [k for k in ckpt["state_dict"] if k.startswith("policy.")]
     assert keys and all("lora_" in k for k in keys), keys[:5]
-    resumed = run(_lora_cfg(tmp_path / "b", tiny_llama_dir, "task.max_steps=8", *moving, "ckpt_path=last",
+    resumed = run_task(_lora_cfg(tmp_path / "b", tiny_llama_dir, "task.max_steps=8", *moving, "ckpt_path=last",
                             "ckpt_allow_changes=[task.max_steps]"))
     for key in ("val/seq_kl", "val/reward"):
         assert math.isclose(resumed[key], straight[key], rel_tol=1e-9), key
@@ -76,7 +76,7 @@ def test_distill_with_a_lora_student(tmp_path, tiny_llama_dir, tiny_llama_teache
                                  "task.prompts_per_step=2", "task.val_prompts=4", "task.max_new_tokens=8",
                                  "logger=none"])
     validate(cfg)
-    out = run(cfg)
+    out = run_task(cfg)
     assert math.isfinite(out["val/seq_kl"]) and out["val/seq_kl"] > 0
 
 

@@ -12,7 +12,7 @@ from klbench.config.schema import ConfigError, validate
 from klbench.models.policies import ScoredBatch, build_policy, task_sampling, token_entropy
 from klbench.rewards.reward import build_reward
 from klbench.tasks import build_task
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 from test_config import compose_cfg
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -91,8 +91,8 @@ def test_a_run_in_micro_batches_trains_as_the_full_batch(tmp_path, llama_pair):
     # the Lightning path end to end: training steps, logging (rb, entropy), validation, with checkpointing too
     common = ["estimator=rb", "estimator.beta=1.0", "task.max_steps=4", "task.val_every=4", "task.log_every=1",
               "logger=csv"]
-    full = run(_cfg(tmp_path / "a", llama_pair, *common))
-    micro = run(_cfg(tmp_path / "b", llama_pair, *common, "task.micro_batch_size=5",
+    full = run_task(_cfg(tmp_path / "a", llama_pair, *common))
+    micro = run_task(_cfg(tmp_path / "b", llama_pair, *common, "task.micro_batch_size=5",
                      "model.gradient_checkpointing=true"))
     for key in ("val/seq_kl", "val/reward"):
         assert math.isclose(full[key], micro[key], rel_tol=1e-4, abs_tol=1e-6), (key, full[key], micro[key])

@@ -7,7 +7,7 @@ import torch
 
 import klbench.tasks.rl as rl
 from klbench.estimators.sampling import Sampling, target_batch
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 from test_config import compose_cfg
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -18,10 +18,10 @@ def test_a_run_logs_the_meter_and_names_a_large_mismatch(tmp_path, tiny_arch, ca
     common = ["model=hf", f"model.name_or_path={path}", f"model.ref_name_or_path={ref}", "task.max_steps=2",
               "task.val_every=2", "task.prompts_per_step=2", "task.n_samples=2", "task.max_new_tokens=6",
               "task.val_prompts=2", "task.log_every=1", "logger=csv"]
-    run(compose_cfg(tmp_path / "a", common))
+    run_task(compose_cfg(tmp_path / "a", common))
     assert "the sampler and the scorer disagree" not in capsys.readouterr().out  # float32 on a CPU: ~1e-7
     monkeypatch.setattr(rl, "MISMATCH_CHI2_LARGE", -1.0)  # any logged chi^2 is "large": the line must name it
-    run(compose_cfg(tmp_path / "b", common))
+    run_task(compose_cfg(tmp_path / "b", common))
     out = capsys.readouterr().out
     assert "klbench: the sampler and the scorer disagree: train/mismatch_chi2 " in out
     metrics = (next((tmp_path / "b").rglob("metrics.csv"))).read_text().splitlines()[0].split(",")

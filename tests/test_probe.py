@@ -174,12 +174,12 @@ def test_probe_task_reads_a_checkpoint_and_writes_the_record(tmp_path, single_th
     metrics by estimator, the 7 artifacts; its KL reference is the exact KL of the checkpoint's policy; a
     checkpoint of another model is refused naming the key."""
     from klbench.record.resume import ResumeError
-    from klbench.tasks.train import run
-    run(compose_cfg(tmp_path, ["experiment=tabular", "task.max_steps=2", "task.val_every=2"]))
+    from klbench.tasks.train import run_task
+    run_task(compose_cfg(tmp_path, ["experiment=tabular", "task.max_steps=2", "task.val_every=2"]))
     ckpt = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
     small = ["task.prompts=2", "task.samples=4", "task.grad_samples=2", "task.replicates=20", "task.bootstrap=50"]
     cfg = compose_cfg(tmp_path, ["task=probe", "model=tabular", "reward=tabular", f"ckpt_path={ckpt}"] + small)
-    out = run(cfg)
+    out = run_task(cfg)
     theta = torch.load(ckpt, weights_only=True)["state_dict"]["policy.theta"]
     policy = TabularPolicy(TabularModel(4, 4, eos=0, seed=0), theta)
     assert math.isclose(out["kl_reference"], float(policy.table.kl_pi_ref(theta)), rel_tol=1e-12)  # exact
@@ -194,7 +194,7 @@ def test_probe_task_reads_a_checkpoint_and_writes_the_record(tmp_path, single_th
     assert {"probe_values.csv", "probe_values.md", "probe_gradients.csv", "probe_gradients.md",
             "probe_value_std.png", "probe_gradients.png", "probe_meta.json"} <= arts
     with pytest.raises(ResumeError, match="model.K"):
-        run(compose_cfg(tmp_path / "q", ["task=probe", "model=tabular", "model.K=3", "reward=tabular",
+        run_task(compose_cfg(tmp_path / "q", ["task=probe", "model=tabular", "model.K=3", "reward=tabular",
                                          f"ckpt_path={ckpt}", "logger=none"] + small))
 
 
@@ -202,12 +202,12 @@ def test_a_probe_that_fails_ends_its_run_failed(tmp_path, single_thread):
     """The probe's record goes through the run lifecycle (klbench.record.lifecycle) as training's does: a
     table it cannot write (a folder stands where the file goes) ends its MLflow run FAILED, the error tagged."""
     from klbench.record import runs
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     (tmp_path / "run" / "probe_values.csv").mkdir(parents=True)
     cfg = compose_cfg(tmp_path, ["task=probe", "model=tabular", "reward=tabular", "task.prompts=1", "task.samples=2",
                                  "task.grad_samples=2", "task.replicates=4", "task.bootstrap=10"])
     with pytest.raises(IsADirectoryError):
-        run(cfg)
+        run_task(cfg)
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
     (r,) = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
     assert r.info.status == "FAILED" and r.data.tags[runs.ERROR].startswith("IsADirectoryError"), r.data.tags
@@ -216,13 +216,13 @@ def test_a_probe_that_fails_ends_its_run_failed(tmp_path, single_thread):
 def test_probe_every_does_not_shift_training(tmp_path, single_thread):
     """A tabular RL run with task.probe_every logs probe/* metrics and the very same train/* and val/* values
     as the same run without it."""
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     base = ["experiment=tabular", "task.max_steps=20", "task.val_every=10", "task.log_every=1"]
     probe = ["task.probe_every=10", "task.probe.replicates=4", "task.probe.bootstrap=10", "task.probe.prompts=1"]
     histories = []
     for extra in ([], probe):  # one store, two runs
         cfg = compose_cfg(tmp_path, base + extra)
-        run(cfg)
+        run_task(cfg)
         client = mlflow.MlflowClient(cfg.logger.tracking_uri)
         runs = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment).experiment_id])
         (r,) = [r for r in runs if r.data.params["task.probe_every"] == ("10" if extra else "None")]
@@ -283,13 +283,13 @@ def tiny_pair(tiny_lm_dir, tmp_path_factory):
 def test_probe_on_a_tiny_hf_lm_pair(tmp_path, single_thread, tiny_pair):
     """model=hf: references from samples (rb; -grad log pi on pi_ref's samples). naive_mc's mean gradient is
     zero within its CI; naive_cv at sequence level is along grad kl_ref_pi within its CI; rb along grad kl_pi_ref."""
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     pi, ref = tiny_pair
     cfg = compose_cfg(tmp_path, ["task=probe", "model=hf", f"model.name_or_path={pi}",
                                  f"model.ref_name_or_path={ref}", "reward=none", "task.prompts=4", "task.samples=16",
                                  "task.grad_samples=16", "task.replicates=150", "task.ref_batches=16",
                                  "task.ref_samples=32", "task.max_new_tokens=6", "task.bootstrap=500", "logger=none"])
-    out = run(cfg)
+    out = run_task(cfg)
     assert out["kl_reference"] > 0.5
     import csv
     folder = tmp_path / "run"

@@ -21,7 +21,7 @@ import torch
 import cli_inprocess
 from klbench.record import runs, store
 from klbench.tasks.rl import RLTask
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 from test_config import compose_cfg
 
 TABULAR = ["experiment=tabular", "task.max_steps=20", "task.val_every=10", "task.log_every=1"]
@@ -231,7 +231,7 @@ def test_status_running_then_failed_then_resumed_without_duplicates(tmp_path, mo
     monkeypatch.setattr(RLTask, "training_step", crash_at_15)
     cfg = compose_cfg(tmp_path, TABULAR)
     with pytest.raises(RuntimeError, match="the node went away"):
-        run(cfg)
+        run_task(cfg)
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
     (r,) = all_runs(client)
     assert seen["status"] == "RUNNING"
@@ -239,7 +239,7 @@ def test_status_running_then_failed_then_resumed_without_duplicates(tmp_path, mo
     assert (r.data.tags[runs.STEPS_DONE], r.data.tags[runs.MAX_STEPS]) == ("10", "20")
     assert steps(client, r.info.run_id, "train/kl_mc") == list(range(15))  # what led to the failure
 
-    out = run(compose_cfg(tmp_path, TABULAR + ["ckpt_path=last"]))
+    out = run_task(compose_cfg(tmp_path, TABULAR + ["ckpt_path=last"]))
     r = client.get_run(r.info.run_id)
     assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == "20" and runs.ERROR not in r.data.tags
     for key in ("train/kl_mc", "train/reward", "train/grad_norm"):
@@ -247,7 +247,7 @@ def test_status_running_then_failed_then_resumed_without_duplicates(tmp_path, mo
     assert steps(client, r.info.run_id, "val/reward") == [0, 10, 20]
 
     monkeypatch.setattr(RLTask, "training_step", step)
-    straight = run(compose_cfg(tmp_path / "straight", TABULAR))
+    straight = run_task(compose_cfg(tmp_path / "straight", TABULAR))
     assert out["val/seq_kl"] == pytest.approx(straight["val/seq_kl"], rel=1e-9)
     other = mlflow.MlflowClient(compose_cfg(tmp_path / "straight", TABULAR).logger.tracking_uri)
     (s,) = all_runs(other)
@@ -268,7 +268,7 @@ def test_interrupted_run_is_killed(tmp_path, monkeypatch):
     monkeypatch.setattr(RLTask, "training_step", interrupt)
     cfg = compose_cfg(tmp_path, TABULAR)
     with pytest.raises((KeyboardInterrupt, SystemExit)):
-        run(cfg)
+        run_task(cfg)
     (r,) = all_runs(mlflow.MlflowClient(cfg.logger.tracking_uri))
     assert r.info.status == "KILLED" and "interrupted" in r.data.tags[runs.ENDED]
 
@@ -316,15 +316,15 @@ def test_kill_9_mid_run_is_noticed_and_resumed(tmp_path):
 
 def test_checkpoint_from_another_config_is_refused(tmp_path):
     cfg = compose_cfg(tmp_path, TABULAR)
-    run(cfg)
+    run_task(cfg)
     other = compose_cfg(tmp_path, TABULAR + ["model.ref_seed=5", "estimator=seq", "ckpt_path=last"])
     with pytest.raises(ValueError, match=r"estimator\.name \('rb' in the checkpoint, 'seq' now\).*model\.ref_seed"):
-        run(other)
+        run_task(other)
     longer = TABULAR + ["task.max_steps=30", "ckpt_path=last"]
     with pytest.raises(ValueError, match=r"ckpt_allow_changes=\[task\.max_steps\]"):
-        run(compose_cfg(tmp_path, longer))
+        run_task(compose_cfg(tmp_path, longer))
     assert len(all_runs(mlflow.MlflowClient(cfg.logger.tracking_uri))) == 1  # refusals logged nothing
-    run(compose_cfg(tmp_path, longer + ["ckpt_allow_changes=[task.max_steps]"]))
+    run_task(compose_cfg(tmp_path, longer + ["ckpt_allow_changes=[task.max_steps]"]))
     (r,) = all_runs(mlflow.MlflowClient(cfg.logger.tracking_uri))
     assert r.info.status == "FINISHED" and r.data.tags[runs.STEPS_DONE] == r.data.tags[runs.MAX_STEPS] == "30"
 
@@ -333,8 +333,8 @@ def test_validation_never_shifts_training(tmp_path):
     """The same run validated every 2 or every 6 steps trains on the same samples: the exact KL and
     reward of the final policy are identical."""
     over = ["logger=none", "task.max_steps=6"]
-    often = run(compose_cfg(tmp_path / "a", TABULAR + over + ["task.val_every=2"]))
-    rarely = run(compose_cfg(tmp_path / "b", TABULAR + over + ["task.val_every=6"]))
+    often = run_task(compose_cfg(tmp_path / "a", TABULAR + over + ["task.val_every=2"]))
+    rarely = run_task(compose_cfg(tmp_path / "b", TABULAR + over + ["task.val_every=6"]))
     assert often["val/seq_kl"] == rarely["val/seq_kl"] and often["val/reward"] == rarely["val/reward"]
 
 
@@ -367,7 +367,7 @@ def test_not_a_klbench_checkpoint(tmp_path, content):
         torch.save({"klbench": NotKlbench()}, path)
     cfg = compose_cfg(tmp_path, TABULAR + [f"ckpt_path={path}"])
     with pytest.raises(ValueError, match="is not a klbench checkpoint") as e:
-        run(cfg)
+        run_task(cfg)
     assert "weights_only" not in str(e.value)
 
 

@@ -7,7 +7,7 @@ import mlflow
 import pytest
 import torch
 
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 from test_config import compose_cfg
 
 
@@ -23,7 +23,7 @@ TABULAR = ["experiment=tabular", "task.max_steps=30", "task.val_every=10"]
 
 def test_tabular_rl_learns_and_logs_to_mlflow(tmp_path):
     cfg = compose_cfg(tmp_path, TABULAR + ["task.max_steps=60"])
-    out = run(cfg)
+    out = run_task(cfg)
     client, runs = mlflow_run(cfg)
     assert len(runs) == 1
     r = runs[0]
@@ -62,7 +62,7 @@ def test_tiny_lm_rl_run_logs_to_mlflow(tmp_path, tiny_lm_dir):
                                  "task.val_every=2", "task.prompts_per_step=4", "task.val_prompts=4",
                                  "task.max_new_tokens=8", "task.log_every=1", "estimator=naive_mc",
                                  "estimator.beta=1.0"])
-    out = run(cfg)
+    out = run_task(cfg)
     client, runs = mlflow_run(cfg)
     (r,) = runs
     assert r.info.status == "FINISHED"
@@ -83,12 +83,12 @@ def test_tiny_lm_rl_run_logs_to_mlflow(tmp_path, tiny_lm_dir):
 def test_resume_continues_exactly(tmp_path):
     """20 steps straight == 10 steps, stop, resume to 20: same step, optimizer and RNG streams."""
     straight = compose_cfg(tmp_path / "a", TABULAR + ["task.max_steps=20", "task.val_every=10", "logger=none"])
-    full = run(straight)
+    full = run_task(straight)
     first = compose_cfg(tmp_path / "b", TABULAR + ["task.max_steps=10", "task.val_every=10"])
-    run(first)
+    run_task(first)
     resumed = compose_cfg(tmp_path / "b", TABULAR + ["task.max_steps=20", "task.val_every=10", "ckpt_path=last",
                                                  "ckpt_allow_changes=[task.max_steps]"])
-    out = run(resumed)
+    out = run_task(resumed)
     assert math.isclose(out["val/seq_kl"], full["val/seq_kl"], rel_tol=1e-9)
     assert math.isclose(out["val/reward"], full["val/reward"], rel_tol=1e-9)
     ckpt = torch.load(f"{resumed.paths.ckpt_dir}/last.ckpt", weights_only=False)
@@ -115,7 +115,7 @@ def test_bad_input_stops_before_training(tmp_path, overrides, match):
         pytest.skip("a GPU is present")
     cfg = compose_cfg(tmp_path, overrides)
     with pytest.raises((ValueError, FileNotFoundError), match=match):
-        run(cfg)
+        run_task(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -123,14 +123,14 @@ def test_missing_reward_path(tmp_path, tiny_lm_dir):
     cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tiny_lm_dir}", "reward=hf_classifier",
                                  "reward.name_or_path=/nonexistent/clf"])
     with pytest.raises(FileNotFoundError, match="/nonexistent/clf"):
-        run(cfg)
+        run_task(cfg)
 
 
 def test_vocab_mismatch(tmp_path, tiny_lm_dir, other_tiny_lm_dir):
     cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tiny_lm_dir}",
                                  f"model.ref_name_or_path={other_tiny_lm_dir}"])
     with pytest.raises(ValueError, match="tokenizers differ"):
-        run(cfg)
+        run_task(cfg)
 
 
 def test_non_finite_loss_fails_the_run(tmp_path, monkeypatch):
@@ -146,7 +146,7 @@ def test_non_finite_loss_fails_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(TabularReward, "__call__", poisoned)
     cfg = compose_cfg(tmp_path, TABULAR + ["task.val_every=100"])
     with pytest.raises(FloatingPointError, match=r"non-finite loss at step \d+"):
-        run(cfg)
+        run_task(cfg)
     _, runs = mlflow_run(cfg)
     assert [r.info.status for r in runs] == ["FAILED"]
 
@@ -177,13 +177,13 @@ def test_clamps_that_fire_reach_the_record(tmp_path):
     on most tokens, and no clamp logs no count."""
     cfg = compose_cfg(tmp_path, TABULAR + ["estimator=naive_cv", "estimator.clamp=0.01", "task.max_steps=10",
                                            "task.log_every=1"])
-    run(cfg)
+    run_task(cfg)
     client, runs = mlflow_run(cfg)
     counts = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "train/n_clamped")}
     assert sorted(counts) == list(range(10))
     assert counts[0] == 0 and all(counts[s] > 0 for s in range(1, 10))  # step 0: pi = pi_ref, every k3 term is 0
     cfg = compose_cfg(tmp_path / "none", TABULAR + ["estimator=naive_cv", "task.max_steps=10"])
-    run(cfg)
+    run_task(cfg)
     client, runs = mlflow_run(cfg)
     assert "train/n_clamped" not in runs[0].data.metrics
 
@@ -201,7 +201,7 @@ def test_a_library_setting_trains_as_the_estimator(tmp_path):
     for beta in (0.0, 3.0):
         cfg = compose_cfg(tmp_path / f"beta{beta}", TABULAR + ["estimator=trl_grpo", f"estimator.beta={beta}",
                                                                "task.max_steps=20", "task.val_every=20"])
-        kl[beta] = run(cfg)["val/seq_kl"]
+        kl[beta] = run_task(cfg)["val/seq_kl"]
     params = mlflow_run(cfg)[1][0].data.params
     assert params["estimator.name"] == "library" and params["estimator.setting"] == "trl.grpo"
     assert kl[3.0] < 0.5 * kl[0.0], kl
@@ -217,7 +217,7 @@ def test_an_unknown_library_setting_is_one_line_naming_the_valid_ones(tmp_path):
     cfg = compose_cfg(tmp_path, TABULAR + ["estimator=library", "estimator.setting=verl.nope", "logger=none"])
     with pytest.raises(ConfigError, match=r"estimator.setting=verl.nope: verl 0.9.1 has no such setting; valid: "
                                           r"verl.kl_penalty.k1, "):
-        run(cfg)
+        run_task(cfg)
 
 
 def test_train_metrics_only_where_something_reads_them(tmp_path, monkeypatch):
@@ -230,12 +230,12 @@ def test_train_metrics_only_where_something_reads_them(tmp_path, monkeypatch):
     calls = []
     original = RLTask.log_train
     monkeypatch.setattr(RLTask, "log_train", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-    quiet = run(compose_cfg(tmp_path / "none", TABULAR + ["logger=none"]))
+    quiet = run_task(compose_cfg(tmp_path / "none", TABULAR + ["logger=none"]))
     assert len(calls) == 30 // 5  # task.log_every=5: the progress lines read them
-    logged = run(compose_cfg(tmp_path / "mlflow", TABULAR))
+    logged = run_task(compose_cfg(tmp_path / "mlflow", TABULAR))
     assert len(calls) == 2 * (30 // 5)
     monkeypatch.setattr(progress, "lines", lambda: [])  # nothing reads them
     calls.clear()
-    unread = run(compose_cfg(tmp_path / "unread", TABULAR + ["logger=none"]))
+    unread = run_task(compose_cfg(tmp_path / "unread", TABULAR + ["logger=none"]))
     assert calls == [] and unread == quiet
     assert quiet == logged

@@ -225,12 +225,12 @@ def test_generation_config_follow_refuses_model_target_under_truncation(tmp_path
 def test_tempered_top_p_run_on_llama_says_its_target(tmp_path, instruct_dir, capsys):
     """task.temperature=0.7 task.top_p=0.9 on a Llama folder with a stop-id list: trains, logs the sampling and
     target as params, the logp gap, and names the target at start and end."""
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={instruct_dir}", "task.max_steps=2",
                                  "task.val_every=2", "task.prompts_per_step=2", "task.val_prompts=2",
                                  "task.max_new_tokens=6", "task.log_every=1", "task.temperature=0.7",
                                  "task.top_p=0.9"])
-    out = run(cfg)
+    out = run_task(cfg)
     printed = capsys.readouterr().out
     assert printed.count("KL target sampler: KL(pi_s || pi_ref,T)") == 2, printed  # start and end block
     client = mlflow.MlflowClient(cfg.logger.tracking_uri)
@@ -245,21 +245,21 @@ def test_tempered_top_p_run_on_llama_says_its_target(tmp_path, instruct_dir, cap
 def test_model_target_run_trains_off_policy(tmp_path, tiny_lm_dir, other_sharp_dir):
     """kl_target=model at T = 0.7 against another reference: rb trains on the behaviour batch (old_logp = the
     sampler's log pi_s), and val/seq_kl, measured on y ~ pi, is the untempered pair's KL."""
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tiny_lm_dir}", "task.max_steps=2",
                                  "task.val_every=2", "task.prompts_per_step=2", "task.val_prompts=2",
                                  "task.max_new_tokens=6", "task.log_every=1", "task.temperature=0.7",
                                  "task.kl_target=model", f"model.ref_name_or_path={other_sharp_dir}", "logger=none"])
-    out = run(cfg)
+    out = run_task(cfg)
     assert math.isfinite(out["val/seq_kl"]) and out["val/seq_kl"] > 0
 
 
 def test_distill_and_probe_sample_pi_s(tmp_path, tiny_lm_dir, other_sharp_dir):
     """task=distill trains at T = 0.7 with top-k; task=probe measures the pair as sampled: its reference KL at
     T = 0.5, top-k 5 is not the plain pair's (the probe's rollouts and scoring follow task.*)."""
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     lm = ["model=hf", f"model.name_or_path={tiny_lm_dir}", "task.max_new_tokens=6", "logger=none"]
-    out = run(compose_cfg(tmp_path / "d", lm + ["task=distill", "reward=none", "estimator.beta=1",
+    out = run_task(compose_cfg(tmp_path / "d", lm + ["task=distill", "reward=none", "estimator.beta=1",
                                                 "model@teacher=hf", f"teacher.name_or_path={other_sharp_dir}",
                                                 "task.max_steps=2", "task.val_every=2", "task.prompts_per_step=2",
                                                 "task.val_prompts=2", "task.temperature=0.7", "task.top_k=20"]))
@@ -267,8 +267,8 @@ def test_distill_and_probe_sample_pi_s(tmp_path, tiny_lm_dir, other_sharp_dir):
     probe = lm + ["task=probe", f"model.ref_name_or_path={other_sharp_dir}", "reward=none", "task.prompts=2",
                   "task.samples=4", "task.grad_samples=4", "task.replicates=4", "task.ref_batches=2",
                   "task.ref_samples=4", "task.bootstrap=20", "task.gradient_estimators=[rb]"]
-    plain = run(compose_cfg(tmp_path / "p", probe))["kl_reference"]
-    tempered = run(compose_cfg(tmp_path / "t", probe + ["task.temperature=0.5", "task.top_k=5"]))["kl_reference"]
+    plain = run_task(compose_cfg(tmp_path / "p", probe))["kl_reference"]
+    tempered = run_task(compose_cfg(tmp_path / "t", probe + ["task.temperature=0.5", "task.top_k=5"]))["kl_reference"]
     assert plain > 0 and tempered > 0 and abs(plain - tempered) > 0.05 * plain
 
 
@@ -287,7 +287,7 @@ def test_followed_sampling_is_checked_against_the_estimator(tmp_path, llama_dir)
     applies to task.temperature applies to the folder's value too (estimator=seq assumes y ~ pi)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from klbench.tasks.train import run
+    from klbench.tasks.train import run_task
     model = AutoModelForCausalLM.from_pretrained(llama_dir, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(llama_dir, local_files_only=True)
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, eos_token_id=tok.eos_token_id)
@@ -296,5 +296,5 @@ def test_followed_sampling_is_checked_against_the_estimator(tmp_path, llama_dir)
     cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={tmp_path / 'm'}", "model.generation_config=follow",
                                  "task.kl_target=model", "estimator=seq", "logger=none"])
     with pytest.raises(ConfigError) as e:
-        run(cfg)
+        run_task(cfg)
     assert "model.generation_config=follow" in str(e.value) and "estimator seq" in str(e.value)

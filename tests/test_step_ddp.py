@@ -14,7 +14,7 @@ import os, sys, torch
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from test_config import compose_cfg
-from klbench.tasks.train import run
+from klbench.tasks.train import run_task
 import klbench.tasks.rl as rl
 
 
@@ -30,7 +30,7 @@ def on_train_start(self):
 
 
 rl.RLTask.on_train_end, rl.RLTask.on_train_start = on_train_end, on_train_start
-run(compose_cfg(Path({out!r}), ["model=hf", "model.name_or_path={policy}", "model.ref_name_or_path={ref}",
+run_task(compose_cfg(Path({out!r}), ["model=hf", "model.name_or_path={policy}", "model.ref_name_or_path={ref}",
                                 "hardware=ddp", "hardware.accelerator=cpu", "hardware.devices=2", "task.max_steps=3",
                                 "task.val_every=3", "logger=none", "task.prompts_per_step=2", "task.n_samples=4",
                                 "task.micro_batch_size=3", "task.max_new_tokens=8", "task.val_prompts=2",

@@ -244,7 +244,7 @@ def test_failing_trial_does_not_end_the_sweep(outputs):
 
 
 def test_failure_after_training_marks_the_run_failed(outputs, local_sweep, tmp_path):
-    """Lightning marks a run FAILED for exceptions inside fit; train.run's own checks come after fit
+    """Lightning marks a run FAILED for exceptions inside fit; train.run_task's own checks come after fit
     (non-finite final metrics), when the run is already FINISHED: the callback corrects it."""
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf

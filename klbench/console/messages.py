@@ -1,6 +1,6 @@
 """What klbench prints: each message once, no library chatter a user cannot act on, and where the results are.
 
-`setup()` runs at the start of every run (klbench.tasks.train.run) and of every sweep (klbench.sweep.callback). Everything silenced here is named by its logger or its message, one entry per notice;
+`setup()` runs at the start of every run (klbench.tasks.train.run_task) and of every sweep (klbench.sweep.callback). Everything silenced here is named by its logger or its message, one entry per notice;
 KLBENCH_VERBOSE=1 brings all of it back (docs/console.md).
 
 No torch, Lightning, transformers or MLflow imports here: filters are set on logger names and warning
@@ -187,7 +187,7 @@ def kl_target_line(sampling: str, target: str, meaning: str) -> str:
 
 
 def print_run_where(cfg, logger) -> None:
-    """A run's last lines: its folder, its MLflow run and how to look at it (train.run, task=probe).
+    """A run's last lines: its folder, its MLflow run and how to look at it (train.run_task, task=probe).
     `logger` as klbench.record.tracking.build_logger returns it: a RecordLogger, a CSVLogger, or False.
     A sweep's trial leaves how to look at it to the sweep's end, which prints it once, for the parent."""
     lines = [("run folder", os.path.abspath(os.path.dirname(cfg.paths.ckpt_dir)))]

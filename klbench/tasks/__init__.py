@@ -1,4 +1,4 @@
-"""The tasks, found by name: one registry through which the entry point (klbench.tasks.train.run) runs every
+"""The tasks, found by name: one registry through which the entry point (klbench.tasks.train.run_task) runs every
 task. Each runner below imports its module only when its task runs: a tabular RL run never imports the probe's
 plots or the pretraining code, and the task modules may import this package without a circle."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run's flow: `run`, the entry point of every task (it checks the config and runs the task the registry
+"""The run's flow: `run_task`, the entry point of every task (it checks the config and runs the task the registry
 klbench.tasks.TASKS names), and the training of task=rl and task=distill in a Lightning Trainer. Hydra-free:
 takes an OmegaConf config."""
 from __future__ import annotations
@@ -143,7 +143,7 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
                       num_sanity_val_steps=0, enable_model_summary=False, deterministic=False)
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run_task(cfg: DictConfig) -> dict[str, float]:
     """The entry point of every run: checks the config, then runs its task as the registry
     (klbench.tasks.TASKS) names it; returns the task's metrics."""
     console.setup()
