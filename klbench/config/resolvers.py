@@ -12,7 +12,7 @@ klbench.config.compose both call (nothing is registered as a side effect of an i
 | klbench_config_subdir | `.hydra`, or for a later start in the same folder `.hydra/attempt-<time>` (klbench.record.rundir) | hydra.output_subdir |
 | klbench_cache | the per-user cache of embedded models (klbench.models.embedded.cache) | paths.cache |
 
-It also puts the declared defaults of every option model (klbench.config.schema: each group's options,
+It also puts the declared defaults of every option model (klbench.config.groups: each group's options,
 StepProbeOptions and ProbeOptions within them) into Hydra's ConfigStore, as root configs named
 `<group>_<option>_defaults` (`hardware_defaults` for the group of one model) that each conf/<group>/<option>.yaml
 pulls in first with its defaults list (conf/task/rl.yaml: `- /task_rl_defaults@_here_`). So every key is a key of
@@ -82,7 +82,7 @@ def _one_line(resolve):
 
 def _store_option_defaults() -> None:
     from hydra.core.config_store import ConfigStore
-    from klbench.config.schema import declared_defaults, option_models
+    from klbench.config.groups import declared_defaults, option_models
     store = ConfigStore.instance()
     for name, (model, tag) in option_models().items():
         store.store(name=name, node=declared_defaults(model, tag), replace=True)

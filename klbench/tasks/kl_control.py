@@ -17,13 +17,13 @@ about the same amount whatever the batch size.
 
 Plain Python floats (no torch, no Lightning, no Hydra): the caller turns the batch into KL_est, and
 the state is a small dict that the checkpoint carries, so a resumed run continues the same beta. The options,
-their bounds and defaults are kl_ctl=adaptive's (klbench.config.schema.KLCtlAdaptive), read from there.
+their bounds and defaults are kl_ctl=adaptive's (klbench.config.training.KLCtlAdaptive), read from there.
 """
 from __future__ import annotations
 
 import math
 
-from klbench.config.schema import HORIZON_UNITS, KLCtlAdaptive
+from klbench.config.training import HORIZON_UNITS, KLCtlAdaptive
 from klbench.estimators.options import REPORTED_VALUES
 
 # the value estimators klbench reports (train/kl_<label>): any of them may drive the controller
