@@ -67,15 +67,20 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(variants: dict, rounds: int) -> dict[str, float]:
-    """Median seconds of each variant, one call of each per round after one untimed warm-up round."""
+def interleaved_times(variants: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each variant in each round, one call of each per round after one untimed warm-up round."""
     times = {name: [] for name in variants}
     for r in range(rounds + 1):
         for name, fn in variants.items():
             t = timed(fn)
             if r:
                 times[name].append(t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def interleaved(variants: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each variant (interleaved_times)."""
+    return {name: statistics.median(ts) for name, ts in interleaved_times(variants, rounds).items()}
 
 
 def report(title: str, medians: dict[str, float], unit: float = 1e3, label: str = "ms") -> None:
@@ -209,8 +214,49 @@ def rollouts(model, tok, ids, attn, new: int, rounds: int) -> None:
     tokens = [fn() for fn in variants.values()]
     if not all(torch.equal(t, tokens[0]) for t in tokens):
         sys.exit("bench_rollout: the three samplers drew different tokens under one seed")
-    report(f"rollout ({new} steps, the same tokens from all three)", interleaved(variants, rounds))
+    times = interleaved_times(variants, rounds)
+    report(f"rollout ({new} steps, the same tokens from all three)",
+           {name: statistics.median(ts) for name, ts in times.items()})
+    for name, ts in times.items():
+        print(f"  {name}: rounds {', '.join(f'{t:.2f}' for t in ts)} s")
+    decode_steps(model, ids, attn, tokens[0])
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+
+
+def decode_steps(model, ids, attn, drawn) -> None:
+    """One decode step through the model's forward against klbench's own step, step by step over one prefill:
+    both fed the drawn tokens [B, L], which goes first alternating, the logits compared bit for bit. Less
+    exposed to a shared machine's load than whole rollouts: the two calls of a step are milliseconds apart."""
+    import copy
+
+    from klbench.models.gpt2_decode import gpt2_decoder
+    from klbench.models.rollout import _ForwardStep, position_ids_from_mask
+    from klbench.models.rotary_decode import rotary_decoder
+
+    pos = position_ids_from_mask(attn)
+    mask = attn if not bool(attn.all()) else None
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        total = ids.shape[1] + drawn.shape[1]
+        own = gpt2_decoder(model, copy.deepcopy(out.cache), mask, total) or \
+            rotary_decoder(model, copy.deepcopy(out.cache), mask, total)
+        if own is None:
+            return print("decode step: the model has no klbench step of its own")
+        steps = {"model's forward": _ForwardStep(model, out.cache, mask), "klbench's step": own}
+        times = {name: [] for name in steps}
+        p = pos[:, -1]
+        for t in range(drawn.shape[1] - 1):
+            p = p + 1
+            logits = {}
+            for name in (list(steps) if t % 2 else list(steps)[::-1]):
+                t0 = time.perf_counter()
+                logits[name] = steps[name](drawn[:, t], p)
+                times[name].append(time.perf_counter() - t0)
+            if not torch.equal(*logits.values()):
+                sys.exit(f"bench_rollout: the two decode steps gave different logits at step {t + 1}")
+    report(f"\none decode step, the two interleaved step by step ({len(times[name])} steps, the same logits)",
+           {name: statistics.median(ts) for name, ts in times.items()})
+    print("  sums: " + ", ".join(f"{name} {sum(ts):.2f} s" for name, ts in times.items()))
 
 
 def training_step(policy, est, opt, prompts: list[str], clip: float | None = None):
