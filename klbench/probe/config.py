@@ -1,7 +1,8 @@
 """The probe's options, declared once and without torch: read by the measurement (klbench.probe.measure),
 by task=probe and by task.probe of rl/distill (klbench.tasks.probe), by the config schema before torch is
 imported (klbench.config.schema), and by Hydra, which takes the defaults from here
-(klbench.config.resolvers.register: conf/task/probe.yaml and rl.yaml's `probe:` hold only what differs).
+(klbench.config.resolvers.register: conf/task/probe.yaml holds nothing of its own, rl.yaml's `probe:` only
+grad_samples' interpolation).
 StepProbeOptions: the smaller defaults of task.probe, the probe of rl/distill at validations (task.probe_every).
 
     ProbeOptions(samples=32, replicates=128)   # a bad value raises pydantic's ValidationError, a ValueError
