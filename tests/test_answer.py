@@ -59,7 +59,8 @@ def test_reward_scores_match_and_counts_no_answer():
 # ---- reference answers from datasets ----
 
 def _ds(**kw):
-    return OmegaConf.create(kw)
+    """A `dataset` config with every key the loaders read (the composed config has them all)."""
+    return OmegaConf.create({"chat_template": False, "system_prompt": None, **kw})
 
 
 def test_jsonl_answers_and_a_row_without_the_field(tmp_path):

@@ -17,7 +17,7 @@ def load_prompts(cfg, policy=None) -> tuple[list[str], list[str]]:
     """(train, val) prompt lists for a `dataset` config. With dataset.chat_template=true each prompt is rendered
     with the tokenizer of `policy` (an LMPolicy), which from then on tokenizes prompts without adding special
     tokens: the template wrote them (klbench.data.chat)."""
-    chat = bool(cfg.get("chat_template", False))
+    chat = bool(cfg.chat_template)
     if cfg.source == "embedded":
         from klbench.models.embedded.corpus import embedded_prompts
         train, val = embedded_prompts("train"), embedded_prompts("val")
@@ -43,7 +43,7 @@ def _render(cfg, policy, prompts: list, split: str) -> list[str]:
     if getattr(policy, "tok", None) is None:
         raise ConfigError("dataset.chat_template=true needs a language model's tokenizer (model=hf or embedded)")
     from klbench.data.chat import render_prompts
-    return render_prompts(policy.tok, prompts, cfg.get("system_prompt"), prompt_source(cfg, split))
+    return render_prompts(policy.tok, prompts, cfg.system_prompt, prompt_source(cfg, split))
 
 
 def check_prompt_lengths(cfg, policy, train: list[str], val: list[str]) -> None:
@@ -69,13 +69,14 @@ def load_answers(cfg, policy=None) -> Mapping[str, str]:
     with dataset.answer_field (reward=answer), keyed by the prompt as the rollout shows it (rendered with
     `policy`'s chat template under dataset.chat_template=true). A row without the field names the file or split,
     the row and the field; one prompt with two different answers is refused."""
-    field, chat = cfg.get("answer_field"), bool(cfg.get("chat_template", False))
+    chat = bool(cfg.chat_template)
     if cfg.source == "arith":
         from klbench.models.embedded.arith import ArithAnswers
         return ArithAnswers()
     if cfg.source == "embedded":
         raise ValueError("reward=answer needs prompts with reference answers: dataset=embedded (review openings) "
                          "has none; use dataset=jsonl or dataset=hf with dataset.answer_field, or experiment=arith")
+    field = cfg.answer_field  # jsonl and hf only
     if field is None:
         raise ValueError(f"reward=answer needs dataset.answer_field, the field of each row holding the reference "
                          f"answer (dataset={cfg.source})")

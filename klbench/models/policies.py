@@ -21,10 +21,8 @@ __all__ = ["LMPolicy", "Policy", "Rollout", "ScoredBatch", "TabularPolicy", "bui
 
 
 def task_sampling(task) -> tuple[Sampling, str]:
-    """(Sampling, kl_target) of a task config (task.temperature, top_k, top_p, kl_target; absent keys: plain)."""
-    get = task.get
-    return Sampling(float(get("temperature", 1.0)), int(get("top_k", 0)), float(get("top_p", 1.0))), \
-        str(get("kl_target", "sampler"))
+    """(Sampling, kl_target) of a task config (task.temperature, top_k, top_p, kl_target)."""
+    return Sampling(float(task.temperature), int(task.top_k), float(task.top_p)), str(task.kl_target)
 
 
 def sampling_text(policy) -> str:
@@ -62,10 +60,10 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
         ref_path = cfg.ref_name_or_path if cfg.kind == "hf" else path
         names = ("policy (model)", "reference (model.ref_name_or_path)")
     model, tok = models.load_causal_lm(path, cfg.dtype, **_load_options(cfg, "model", "name_or_path"))
-    if cfg.get("gradient_checkpointing"):
+    if cfg.gradient_checkpointing:
         models.enable_checkpointing(model, "model")
     ref = ref_tok = None
-    if (cfg.get("lora") or {}).get("r"):
+    if cfg.lora.r:
         from klbench.models.lora import WithoutAdapter, add_lora
         model = add_lora(model, **cfg.lora)
         if teacher is None and ref_path == path:  # pi_ref is the policy's own base, adapter off: one copy
@@ -96,7 +94,7 @@ def _generation_sampling(cfg, path: str, options: dict, sampling: Sampling) -> S
     """The sampling a language model runs with, given the temperature/top_k/top_p its generation_config sets
     (`options`): klbench's (`sampling`, from task.*), saying so where the folder sets others, or the folder's
     with model.generation_config=follow. Unset options are generate()'s plain values (1, 0, 1)."""
-    follow = cfg.kind == "hf" and cfg.get("generation_config", "klbench") == "follow"
+    follow = cfg.kind == "hf" and cfg.generation_config == "follow"
     if not options:
         if follow:
             print(f"klbench: model.generation_config=follow: {path}'s generation_config sets no temperature, top_k "
@@ -123,8 +121,8 @@ def _load_options(cfg, setting: str, key: str) -> dict:
     """load_causal_lm's options of a `model` config (model.trust_remote_code, model.attn_implementation; the
     embedded models have the second only), the group they are set in and the key of the path, for its messages
     (an embedded model's folder is klbench's cache: no setting names it)."""
-    return {"trust_remote_code": bool(cfg.get("trust_remote_code", False)),
-            "attn_implementation": cfg.get("attn_implementation"), "setting": setting,
+    return {"trust_remote_code": cfg.kind == "hf" and bool(cfg.trust_remote_code),
+            "attn_implementation": cfg.attn_implementation, "setting": setting,
             "path_setting": f"{setting}.{key}" if cfg.kind == "hf" else None}
 
 

@@ -113,7 +113,7 @@ def build_reward(cfg, policy, dataset=None):
         from klbench.data.prompts import load_answers
         if dataset is None:
             raise ValueError("reward=answer needs the dataset config, whose answer field holds the references")
-        return AnswerReward(load_answers(dataset, policy), cfg.extract, cfg.get("pattern"), cfg.get("format_reward", 0.0))
+        return AnswerReward(load_answers(dataset, policy), cfg.extract, cfg.pattern, cfg.format_reward)
     if cfg.kind == "tabular":
         from klbench.exact.tabular import TabularReward
         return TabularReward(policy.table, seed=cfg.seed, scale=cfg.scale)

@@ -82,10 +82,11 @@ def run_probe(cfg: DictConfig) -> dict[str, float]:
 
 def _run_name(cfg: DictConfig, step: int) -> str:
     m = cfg.model
-    who = m.get("preset") or os.path.basename(str(m.get("name_or_path", ""))) or m.kind
+    named = m.preset if m.kind == "embedded" else os.path.basename(str(m.name_or_path)) if m.kind == "hf" else None
+    who = named or m.kind
     parts = ["probe", str(m.kind), str(who)]
     if cfg.get("teacher") is not None:
-        parts.append("vs-" + str(cfg.teacher.get("preset") or cfg.teacher.kind))
+        parts.append("vs-" + str((cfg.teacher.preset if cfg.teacher.kind == "embedded" else None) or cfg.teacher.kind))
     return "-".join(parts + [f"step{step}", f"seed{cfg.task.seed}"])
 
 

@@ -144,7 +144,7 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
     @property
     def inner_steps(self) -> int:
         """task.inner_steps: optimiser steps per rollout (1: on-policy)."""
-        return int(self.cfg.get("inner_steps", 1))
+        return int(self.cfg["inner_steps"])
 
     def needs_token_kl(self, step: int) -> bool:
         """Whether a step's scoring computes the exact per-position KL: the estimator differentiates it, or the step
@@ -154,7 +154,7 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
     @property
     def micro_batch_size(self) -> int | None:
         """task.micro_batch_size: sequences scored at once (klbench.models.lm_policy.LMPolicy.score); None: all."""
-        return self.cfg.get("micro_batch_size")
+        return self.cfg["micro_batch_size"]
 
     @property
     def loss_reads_token_kl(self) -> bool:
@@ -164,15 +164,14 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
     @property
     def loss_agg(self) -> tuple[str, int]:
         """task.loss_agg and its L_max (task.max_new_tokens), as klbench.estimators.advantages.aggregate takes them."""
-        return self.cfg.get("loss_agg", "seq_sum"), int(self.cfg["max_new_tokens"])
+        return self.cfg["loss_agg"], int(self.cfg["max_new_tokens"])
 
     def reward_advantage(self, batch, reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         """[B] task.advantage of the rewards [B]; with the KL fused (in_reward kl_norm=before), of
         reward_coef r - beta v, v the estimator's detached per-sequence value."""
         if self.kl_in_reward_adv:
             reward = self.cfg["reward_coef"] * reward - self.beta * self.estimator.sequence_value(batch).to(reward.dtype)
-        return advantage(reward, group, self.cfg.get("advantage", "rloo"),
-                         float(self.cfg.get("adv_eps", 1e-6))).to(batch.logp.dtype)
+        return advantage(reward, group, self.cfg["advantage"], float(self.cfg["adv_eps"])).to(batch.logp.dtype)
 
     @property
     def beta(self) -> float:

@@ -55,7 +55,7 @@ class Validation:
             self.logger.log_metrics(m, step=self.global_step)
         self.sample_tables.append((self.global_step, [{k: v for k, v in r.items() if k != "kl_tokens"}
                                                       for r in rows[: self.cfg["n_sample_texts"]]]))
-        every = self.cfg.get("probe_every")
+        every = self.cfg["probe_every"]
         if every and self.global_step % every == 0 and self.trainer.is_global_zero and self.logger is not None:
             # estimator variance as pi moves from pi_ref; its own RNG stream, so training is not shifted
             from klbench.tasks.probe import probe_during_training

@@ -139,7 +139,7 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
                       num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
                       check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt, *bar, *progress.lines()], enable_checkpointing=False,
                       enable_progress_bar=bool(bar),
-                      gradient_clip_val=cfg.task.get("grad_clip"), log_every_n_steps=1,
+                      gradient_clip_val=cfg.task.grad_clip, log_every_n_steps=1,
                       num_sanity_val_steps=0, enable_model_summary=False, deterministic=False)
 
 

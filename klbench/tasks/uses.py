@@ -19,7 +19,7 @@ def shown_uses(cfg: DictConfig, policy) -> dict[str, str]:
     uses = {"used.stop_ids": stops}
     lines = [f"a response ends at the token {stops}" if len(policy.eos_ids) == 1 else
              f"a response ends at any of the tokens {stops}"]
-    if cfg.dataset.get("chat_template"):
+    if cfg.dataset.chat_template:
         from klbench.data.chat import template_source
         uses["used.chat_template"] = template_source(tok)
         lines.append(f"prompts rendered with the chat template {uses['used.chat_template']}")
@@ -28,7 +28,7 @@ def shown_uses(cfg: DictConfig, policy) -> dict[str, str]:
     if is_lora(model):
         lora = lora_summary(model)
         uses.update({"used.lora_rank": str(lora["rank"]), "used.lora_modules": ",".join(lora["modules"])})
-        chosen = "model.lora.target_modules" if cfg.model.lora.get("target_modules") else "peft's default"
+        chosen = "model.lora.target_modules" if cfg.model.lora.target_modules else "peft's default"
         lines.append(f"LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on {', '.join(lora['modules'])} ({chosen}): "
                      f"{trained:,} trainable parameters of {lora['total']:,} ({100 * trained / lora['total']:.2g}%)")
     else:
@@ -36,7 +36,7 @@ def shown_uses(cfg: DictConfig, policy) -> dict[str, str]:
     if unapplied := unapplied_generation_options(model):
         said = ", ".join(f"{k}={v}" for k, v in unapplied.items())
         uses["used.generation_config.unapplied"] = said
-        where = cfg.model.get("name_or_path") if cfg.model.kind == "hf" else "the model"
+        where = cfg.model.name_or_path if cfg.model.kind == "hf" else "the model"
         lines.append(f"{where}'s generation_config sets {said}, which klbench does not apply: its rollouts sample "
                      "with temperature, top_k and top_p only, stop at the ids above, and run task.max_new_tokens")
     for line in lines:
