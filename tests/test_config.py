@@ -204,3 +204,16 @@ def test_old_kl_norm_name_is_the_new_one_with_one_line(tmp_path, capsys, monkeyp
     from klbench.config.schema import ConfigError
     with pytest.raises(ConfigError, match="estimator.kl_norm=before puts the sequence KL"):
         validate(compose_cfg(tmp_path, ["estimator=kl_fused", "estimator.baseline=loo"]))
+
+
+def test_arith_checkpoint_from_before_the_chat_keys_resumes(tmp_path):
+    """dataset=arith's config gained chat_template and system_prompt (every dataset declares them) with issue 46:
+    a checkpoint made before, without them, is no config change."""
+    from omegaconf import OmegaConf
+    from klbench.record.resume import config_changes
+    cfg = compose_cfg(tmp_path, ["experiment=arith"])
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    del saved["dataset"]["chat_template"], saved["dataset"]["system_prompt"]
+    assert config_changes(saved, cfg) == []
+    saved["dataset"]["chat_template"] = True
+    assert config_changes(saved, cfg) == ["dataset.chat_template (True in the checkpoint, False now)"]
