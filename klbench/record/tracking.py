@@ -136,7 +136,7 @@ def build_logger(cfg: DictConfig, resume: bool = False):
     client = mlflow.MlflowClient(lg.tracking_uri)
     runs.reap(client, [exp_id], noticed_by=f"a run starting (pid {os.getpid()})")
     id_file = os.path.join(run_dir, runs.RUN_ID_FILE)
-    tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.get("max_steps", 1)),  # task=probe: one step
+    tags = {**runs.owner_tags(), runs.MAX_STEPS: str(cfg.task.max_steps if "max_steps" in cfg.task else 1),  # probe: 1
             RUN_DIR_TAG: os.path.abspath(run_dir)}
     if resume and os.path.isfile(id_file):
         run_id = open(id_file).read().strip()
