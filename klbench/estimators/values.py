@@ -11,7 +11,7 @@ import torch
 from klbench.estimators.base import (VALUE_ESTIMATORS, Estimate, Estimator, control_variate, prefix_weights, register,
                                      seq_sum)
 from klbench.estimators.batch import KLBatch
-from klbench.estimators.options import REPORTED_VALUES, ControlVariateOptions
+from klbench.estimators.options import ControlVariateOptions
 
 value = register(VALUE_ESTIMATORS)
 
@@ -95,6 +95,3 @@ class RB(Estimator):
             return seq_sum(batch.kappa).detach()
         return seq_sum(prefix_weights(batch) * batch.kappa.detach())
 
-
-# The value estimators klbench reports, by label (declared without torch in klbench.estimators.options).
-REPORTED = REPORTED_VALUES

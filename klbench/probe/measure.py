@@ -46,7 +46,7 @@ import torch
 
 from klbench.estimators import GRADIENT_ESTIMATORS, VALUE_ESTIMATORS, KLBatch, gradient_estimator, value_estimator
 from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target
-from klbench.estimators.values import REPORTED as REPORTED_VALUES
+from klbench.estimators.options import REPORTED_VALUES
 from klbench.probe.config import ProbeOptions
 from klbench.probe.stats import CountSketch, Welford, bootstrap_weights, fill, ratio
 
