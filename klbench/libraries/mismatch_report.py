@@ -149,7 +149,7 @@ of k1 = -log r, k3 = r - 1 - log r (both unbiased for KL(pi_s || pi); k3 falls s
 the sampler cut), chi2 = (r - 1)^2 (unbiased for chi^2(pi || pi_s) = Var[r], the variance of the weight a correction
 multiplies by) and the largest |log r|, with r = pi(y_t) / pi_s(y_t) from the two log-probs of each sampled token;
 exact on enumerated pairs (`tests/test_mismatch.py`). A shape that disagrees is refused in one line naming the shapes.
-The RL task logs it as `train/mismatch_*` beside `train/logp_gap_*` (klbench/tasks/rl.py, `_log_train`).
+The RL task logs it as `train/mismatch_*` beside `train/logp_gap_*` (klbench/tasks/rl_metrics.py, `RLTask.log_train`).
 
 ## `task.behaviour` (design)
 
