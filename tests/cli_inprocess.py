@@ -32,8 +32,6 @@ import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import torch
-
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT)
 # klbench's per-process memory, as a fresh process has it: (module, attribute, fresh value factory)
 PROCESS_STATE = (
@@ -50,27 +48,26 @@ PROCESS_STATE = (
 AT_EXIT_OF = ("klbench", "mlflow")
 
 
-def run(args, *, cwd, env: dict, main: str = "klbench.cli", timeout: float | None = None,
-        **_ignored) -> subprocess.CompletedProcess:
-    """`python -m <main> *args` in `cwd` with exactly the environment `env`, in this process. `timeout`
-    (kept for the subprocess calls it replaces) is not enforced."""
+def run(args, *, cwd, env: dict, main: str = "klbench.cli", stderr=None) -> subprocess.CompletedProcess:
+    """`python -m <main> *args` in `cwd` with exactly the environment `env`, in this process;
+    `stderr=subprocess.STDOUT` writes both streams to stdout, as a process started so would."""
     import importlib
     entry = importlib.import_module(main)
     argv = [entry.__file__, *map(str, args)]
     with tempfile.TemporaryFile("w+", encoding="utf-8") as out, \
             tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+        err = out if stderr == subprocess.STDOUT else err
         with fresh_process(argv, Path(cwd), env, out, err):
-            code = _exit_code(entry.main, err)
+            code = _exit_code(entry.main)
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(argv, code, out.read(), err.read())
+        return subprocess.CompletedProcess(argv, code, out.read(), "" if err is out else err.read())
 
 
-def _exit_code(main, err) -> int:
-    """What the process's exit status would have been; Python's own report of an uncaught exception."""
+def _exit_code(main) -> int:
+    """The exit status of a process that ran `sys.exit(main())`; Python's report of an uncaught exception."""
     try:
-        main()
-        return 0
+        raise SystemExit(main())
     except SystemExit as e:
         if e.code is None:
             return 0
@@ -191,13 +188,45 @@ def _logging():
 
 @contextmanager
 def _warnings():
-    """The filters a fresh `python -m` starts with (Python's own; pytest adds its filterwarnings)."""
+    """The filters of a fresh `python -m` once it has imported what this process has: Python's own, then
+    those the modules' top-level code installed, in order (pytest's filterwarnings, and the import-time
+    filters it dropped with the test that imported a module, are not a process's); a warning is printed
+    to stderr (pytest would record it instead)."""
     with warnings.catch_warnings():
         warnings.filters[:] = PYTHON_FILTERS
         warnings._filters_mutated()  # the modules' registries of warnings shown are stale now
+        for add, args, kwargs in IMPORT_TIME_FILTERS:
+            add(*args, **kwargs)
+        warnings.showwarning = warnings._showwarning_orig
+        warnings._showwarnmsg_impl = _print_warning
         yield
 
 
+def _print_warning(msg) -> None:
+    """Python's own warnings._showwarnmsg_impl."""
+    (msg.file or sys.stderr).write(warnings._formatwarnmsg(msg))
+
+
+IMPORT_TIME_FILTERS: list[tuple] = []  # (warnings function, args, kwargs) of each call from a module's top level
+
+
+def _record_import_time_filters() -> None:
+    """From now on (tests/conftest.py imports this module before torch), a warnings filter that a module
+    installs as it is imported is noted, to be installed again in each call's fresh process."""
+    for name in ("filterwarnings", "simplefilter"):
+        add = getattr(warnings, name)
+        if getattr(add, "_noted", False):
+            continue
+
+        def noting(*args, _add=add, **kwargs):
+            if sys._getframe(1).f_code.co_name == "<module>":
+                IMPORT_TIME_FILTERS.append((_add, args, kwargs))
+            return _add(*args, **kwargs)
+        noting._noted = True
+        setattr(warnings, name, noting)
+
+
+_record_import_time_filters()
 PYTHON_FILTERS = [("default", None, DeprecationWarning, "__main__", 0),
                   ("ignore", None, DeprecationWarning, None, 0),
                   ("ignore", None, PendingDeprecationWarning, None, 0),
@@ -241,6 +270,7 @@ def _mlflow():
 @contextmanager
 def _torch(env):
     import numpy as np
+    import torch
     saved = (torch.random.get_rng_state(), np.random.get_state(), random.getstate(), torch.get_num_threads(),
              torch.are_deterministic_algorithms_enabled(), torch.is_warn_always_enabled(),
              torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_float32_matmul_precision())

@@ -5,6 +5,8 @@ import signal
 import tempfile
 
 import pytest
+
+import cli_inprocess  # noqa: F401  first: it notes the warning filters that modules install as they import
 import torch
 
 # tests never reach a model hub: transformers must use local files only

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import cli_inprocess
 from test_sweeps import cli_env
 
 from klbench.console import messages as console
@@ -31,9 +34,13 @@ main()
 """
 
 
-def klbench(outputs: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-c", REPORT_MODULES, *overrides], cwd=outputs.parent,
-                          env=cli_env(outputs, **(env or {})), capture_output=True, text=True, timeout=300)
+def klbench(outputs: Path, *overrides: str, env: dict | None = None, process: bool = False) -> subprocess.CompletedProcess:
+    """The CLI in this process (tests/cli_inprocess.py), or with `process` a real one that says what it imported."""
+    if not process:
+        proc = cli_inprocess.run(overrides, cwd=outputs.parent, env=cli_env(outputs, **(env or {})))
+    else:
+        proc = subprocess.run([sys.executable, "-c", REPORT_MODULES, *overrides], cwd=outputs.parent,
+                              env=cli_env(outputs, **(env or {})), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -46,7 +53,7 @@ def where(stdout: str) -> dict[str, str]:
 
 def test_tabular_run_without_mlflow_is_quiet_and_lean(tmp_path):
     outputs = tmp_path / "outputs"
-    proc = klbench(outputs, *TINY, "logger=none")
+    proc = klbench(outputs, *TINY, "logger=none", process=True)
     out = proc.stdout + proc.stderr
     assert out.count("Seed set to 0") == 1, out  # Lightning's own handler and Hydra's both printed it
     for notice in ("litlogger", "GPU available", "TPU available", "LeafSpec", "`srun` command", "`Trainer.fit` stopped"):
@@ -152,8 +159,7 @@ def test_notices_are_silenced_by_message_and_come_back_with_klbench_verbose():
 
 
 def test_help_names_klbench_and_lists_the_sweeps():
-    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "--help"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    proc = cli_inprocess.run(["--help"], cwd=ROOT, env=os.environ)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("klbench") and "cli is powered" not in proc.stdout
     sweeps = sorted(p.stem for p in (ROOT / "sweeps" / "sweep").glob("*.yaml"))

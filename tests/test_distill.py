@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import mlflow
 import numpy as np
@@ -22,6 +20,7 @@ from klbench.exact.tabular import TabularModel
 from klbench.tasks.train import run_task
 from tiny_lms import save_sharpened_variant
 from test_config import compose_cfg
+import cli_inprocess
 
 TABULAR = ["experiment=distill_tabular", "task.max_steps=20", "task.val_every=10"]
 ESTIMATORS = ("token", "seq", "cumulative", "loo", "rb", "vopd", "topk_tail", "topk_trunc")
@@ -289,10 +288,8 @@ def test_distill_estimators_multirun_end_to_end(tmp_path):
     (the only test of the multirun + callback wiring, so it stays in the default set despite its time)."""
     env = {**os.environ, "KLBENCH_OUTPUTS": str(tmp_path / "outputs"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "klbench"), "-m",
-                           "experiment=distill_estimators_tabular", "task.max_steps=6", "task.val_every=3",
-                           "hydra.sweeper.params.seed=0", f"hydra.sweep.dir={tmp_path}/sweep"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = cli_inprocess.run(["-m", "experiment=distill_estimators_tabular", "task.max_steps=6", "task.val_every=3",
+                              "hydra.sweeper.params.seed=0", f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     md = (tmp_path / "sweep" / "report" / REPORT_FILES[1]).read_text()
     for est in ESTIMATORS:

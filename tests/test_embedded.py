@@ -196,8 +196,7 @@ def test_cache_dir_is_per_user(monkeypatch, tmp_path):
 def test_two_outputs_folders_share_one_cache(tmp_path):
     """`klbench task=pretrain` started from two directories (two outputs folders): built once, in the
     user's cache, saying so in one line; the second run reuses it and writes no model under its outputs."""
-    import subprocess
-    import sys
+    import cli_inprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("KLBENCH_OUTPUTS", "XDG_CACHE_HOME")}
     env.update(KLBENCH_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -205,8 +204,7 @@ def test_two_outputs_folders_share_one_cache(tmp_path):
     runs = []
     for where in ("a", "b"):
         (tmp_path / where).mkdir()
-        proc = subprocess.run([sys.executable, "-m", "klbench.cli", "task=pretrain", *tiny], cwd=tmp_path / where,
-                              env=env, capture_output=True, text=True, timeout=300)
+        proc = cli_inprocess.run(["task=pretrain", *tiny], cwd=tmp_path / where, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(proc)
     path = embedded_lm_dir(TINY, tmp_path / "cache")

@@ -4,14 +4,15 @@ tokenizer, chat template and a generation_config with the run's sampling beside 
 nothing overwritten."""
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from test_config import compose_cfg
+
+import cli_inprocess
 
 from klbench.models.policies import LMPolicy
 from klbench.record import resume
@@ -113,8 +114,7 @@ def test_the_end_block_names_the_command(lora_run, full_run, capsys):
 
 
 def klbench_export(*args, cwd) -> str:
-    proc = subprocess.run([sys.executable, "-m", "klbench.tasks.export", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    proc = cli_inprocess.run(args, cwd=cwd, env=os.environ, main="klbench.tasks.export")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stderr.startswith("klbench-export: error: "), proc.stderr
     return proc.stderr.strip()

@@ -14,13 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import cli_inprocess
 from klbench.record import runs
 from test_record import all_runs, client_of, env_for
 
 
 def klbench(outputs: Path, *overrides: str, env: dict | None = None, timeout: int = 300):
-    return subprocess.run([sys.executable, "-m", "klbench.cli", *overrides], cwd=outputs.parent,
-                          env={**env_for(outputs), **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    """The CLI in this process (tests/cli_inprocess.py); the parallel and killed runs below are processes."""
+    return cli_inprocess.run(overrides, cwd=outputs.parent, env={**env_for(outputs), **(env or {})})
 
 
 def one_line_error(proc, *words: str) -> str:
@@ -266,10 +267,9 @@ def test_a_sweep_whose_parent_ends_failed_does_not_exit_0(tmp_path):
     """Every trial refused by its config: no frontier, the parent FAILED; the sweep exited 0 all the same."""
     from test_sweeps import cli_env
     outputs = tmp_path / "outputs"
-    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", "sweep=rl_beta", "experiment=tabular",
-                           "estimator.beta=choice(-1.0,-2.0)", "hydra.sweeper.n_trials=2", "task.max_steps=4",
-                           "hydra.sweeper.study_name=refused"], cwd=tmp_path, env=cli_env(outputs),
-                          capture_output=True, text=True, timeout=300)
+    proc = cli_inprocess.run(["-m", "sweep=rl_beta", "experiment=tabular", "estimator.beta=choice(-1.0,-2.0)",
+                              "hydra.sweeper.n_trials=2", "task.max_steps=4", "hydra.sweeper.study_name=refused"],
+                             cwd=tmp_path, env=cli_env(outputs))
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "ended FAILED" in proc.stderr, proc.stderr[-3000:]
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import cli_inprocess
 from test_sweeps import cli_env
 
 from klbench.console import progress
@@ -61,11 +62,9 @@ def test_a_terminal_gets_the_bar_and_no_lines(monkeypatch):
 
 
 def _klbench_to_a_file(tmp_path, *args: str) -> str:
-    log = tmp_path / "log.txt"
-    with open(log, "w") as f:  # stdout and stderr to a file, as SLURM and nohup write them
-        proc = subprocess.run([sys.executable, "-m", "klbench.cli", *args], cwd=tmp_path, stdout=f,
-                              stderr=subprocess.STDOUT, env=cli_env(tmp_path / "outputs"), timeout=300)
-    text = log.read_text()
+    # stdout and stderr to one file, as SLURM and nohup write them (the CLI in this process, tests/cli_inprocess.py)
+    proc = cli_inprocess.run(args, cwd=tmp_path, env=cli_env(tmp_path / "outputs"), stderr=subprocess.STDOUT)
+    text = proc.stdout
     assert proc.returncode == 0, text[-3000:]
     return text
 

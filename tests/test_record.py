@@ -161,7 +161,7 @@ def test_half_migrated_store_is_reported_then_repaired(tmp_path):
         store.open_store(uri)
     assert str(path) in str(e.value) and f"python -m klbench.record.store repair {path}" in str(e.value)
     assert path.stat().st_size > 0  # left as it was
-    fix = subprocess.run([sys.executable, "-m", "klbench.record.store", "repair", str(path)], capture_output=True, text=True)
+    fix = cli_inprocess.run(["repair", path], cwd=tmp_path, env=os.environ, main="klbench.record.store")
     assert fix.returncode == 0, fix.stderr
     assert store.inspect(path)[0] == "current" and list(tmp_path.glob("mlflow.db.*.bak"))
     assert "1 runs kept" in fix.stdout
@@ -296,9 +296,8 @@ def test_kill_9_mid_run_is_noticed_and_resumed(tmp_path):
     proc.wait()
     client = client_of(outputs)
     assert client.get_run(run_id).info.status == "RUNNING"  # nobody has looked yet
-    pareto = subprocess.run([sys.executable, "-m", "klbench.analysis.pareto", "--experiment", "klbench",
-                             "--out", str(tmp_path / "p")], cwd=tmp_path, env=env_for(outputs),
-                            capture_output=True, text=True)
+    pareto = cli_inprocess.run(["--experiment", "klbench", "--out", tmp_path / "p"], cwd=tmp_path,
+                               env=env_for(outputs), main="klbench.analysis.pareto")
     assert "1 status KILLED" in pareto.stdout, pareto.stdout + pareto.stderr
     assert client.get_run(run_id).info.status == "KILLED"
     assert "is gone; noticed by klbench-pareto" in client.get_run(run_id).data.tags[runs.ENDED]

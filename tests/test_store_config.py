@@ -5,12 +5,11 @@ checks against real servers are in tests/stores/test_secrets.py)."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 import warnings
 
 import pytest
 
+import cli_inprocess
 from klbench.config.compose import compose
 from klbench.record.redact import RedactHydraFiles, redact, redact_logs, redact_obj
 from klbench.config.schema import ConfigError, validate
@@ -50,8 +49,7 @@ def test_server_store_needs_its_urls(monkeypatch, tmp_path, overrides, field):
 
 def test_cli_refuses_a_server_store_without_urls(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "KLBENCH_OUTPUTS": str(tmp_path / "outputs"), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "klbench.cli", "store=server"], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = cli_inprocess.run(["store=server"], cwd=tmp_path, env=env)
     assert r.returncode == 1
     assert "klbench: error: store.mlflow must be the URL of an `mlflow server`" in r.stderr
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
@@ -75,9 +73,8 @@ def test_sweep_needs_the_optuna_url(monkeypatch, tmp_path):
 def test_cli_refuses_a_server_sweep_without_optuna_url(tmp_path):
     """Before any trial starts or any server is contacted (the MLflow URL points nowhere)."""
     env = {"PATH": "/usr/bin:/bin", "KLBENCH_OUTPUTS": str(tmp_path / "outputs"), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", "sweep=rl_beta", "experiment=tabular",
-                        "store=server", "store.mlflow=http://127.0.0.1:9"], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = cli_inprocess.run(["-m", "sweep=rl_beta", "experiment=tabular", "store=server",
+                           "store.mlflow=http://127.0.0.1:9"], cwd=tmp_path, env=env)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "klbench sweep: ConfigError: store.optuna must be" in r.stderr
     assert not list((tmp_path / "outputs").rglob("klbench.log"))  # no trial ran

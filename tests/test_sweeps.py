@@ -2,7 +2,7 @@
 the local launcher with an MLflow parent run and its Pareto frontier, a restarted study neither loses
 nor repeats trials, and a failing trial is recorded as failed without ending its sweep.
 
-The sweeps run the real CLI as subprocesses; they share one outputs folder (one MLflow and one Optuna
+The sweeps run the CLI in this process (tests/cli_inprocess.py); they share one outputs folder (one MLflow and one Optuna
 database, as a user's sweeps do) and use a different study each, except the restart test, which
 continues the study of the first sweep.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import cli_inprocess
 from klbench.config.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,9 +35,14 @@ def cli_env(outputs: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def klbench_multirun(outputs: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", *overrides], cwd=outputs.parent,
-                          env=cli_env(outputs), capture_output=True, text=True, timeout=timeout)
+def klbench_multirun(outputs: Path, *overrides: str, timeout: int = 240,
+                     process: bool = False) -> subprocess.CompletedProcess:
+    """`klbench -m ...` in this process (tests/cli_inprocess.py), or with `process` a real one."""
+    if not process:
+        proc = cli_inprocess.run(["-m", *overrides], cwd=outputs.parent, env=cli_env(outputs))
+    else:
+        proc = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", *overrides], cwd=outputs.parent,
+                              env=cli_env(outputs), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -208,9 +214,7 @@ def test_restarted_study_loses_and_repeats_nothing(outputs, local_sweep):
     # other task overrides under the same study name are refused, not mixed into it
     env = {**os.environ, "KLBENCH_OUTPUTS": str(outputs), "HF_HUB_OFFLINE": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    bad = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", *cmd, "task.lr=0.5",
-                          "hydra.sweeper.n_trials=4"], cwd=outputs.parent, env=env, capture_output=True,
-                         text=True, timeout=120)
+    bad = cli_inprocess.run(["-m", *cmd, "task.lr=0.5", "hydra.sweeper.n_trials=4"], cwd=outputs.parent, env=env)
     assert bad.returncode != 0 and "hydra.sweeper.study_name" in bad.stderr
     assert len(study(outputs, name).trials) == len(st.trials)
 
@@ -275,7 +279,7 @@ def test_requeued_trial_resumes_from_its_checkpoint(outputs):
     # long enough to outlast the 1-minute limit at the step rate of docs/sweeps.md ("Requeued trials")
     klbench_multirun(outputs, "sweep=rl_beta", "estimator=loo", "experiment=tabular", "task.max_steps=12000",
                      "task.val_every=500", "hydra.sweeper.n_trials=1", "hydra/launcher=local",
-                     "hydra.launcher.timeout_min=1", timeout=580)  # signalled 30 s after each start
+                     "hydra.launcher.timeout_min=1", timeout=580, process=True)  # signalled 30 s after each start
     st = study(outputs, "klbench-rl_beta-loo-tabular")
     assert [t.state.name for t in st.trials] == ["COMPLETE"]
     client = mlflow_client(outputs)
