@@ -1,9 +1,11 @@
-"""Where the record lives, and opening it safely.
+"""Opening the record safely: the MLflow store and a sweep's Optuna storage, created under locks.
 
-One place resolves the outputs folder and the MLflow tracking URI for every command (runs, sweeps,
-`klbench-pareto`, `klbench-distill-report`). A SQLite store is created or checked exactly once per
-process, under an inter-process file lock next to the database: MLflow migrates a fresh database on
-first open, and parallel first opens race on that migration and can leave it half-done. A sweep's SQLite
+Where they live (the outputs folder, the tracking URI, sqlite:/// and file:// paths) is
+klbench.record.store_paths, re-exported here; what state a store is in and its repair, klbench.record.store_repair.
+
+A SQLite store is created or checked exactly once per process, under an inter-process file lock next to the
+database: MLflow migrates a fresh database on first open, and parallel first opens race on that migration and
+can leave it half-done. A sweep's SQLite
 Optuna storage (optuna.db) is created under the same kind of lock (`open_optuna`).
 
 A fresh store is a copy of an empty one: MLflow's chain of schema migrations (each step its own
@@ -12,7 +14,7 @@ template kept in the caller's cache folder (`template_dir`: a run passes paths.c
 
 No torch, Lightning or Hydra here; MLflow loads only when a store has to be created.
 
-    python -m klbench.record.store check  PATH/mlflow.db   # what state a store is in
+    python -m klbench.record.store check  PATH/mlflow.db   # what state a store is in (klbench.record.store_repair)
     python -m klbench.record.store repair PATH/mlflow.db   # finish a migration an older klbench left half-done
 """
 from __future__ import annotations
@@ -23,61 +25,16 @@ import os
 import shutil
 import sqlite3
 import sys
-import time
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
-OUTPUTS_ENV = "KLBENCH_OUTPUTS"
-SQLITE = "sqlite:///"
+# callers reach the paths through this module (store.tracking_uri(), store.StoreError)
+from klbench.record.store_paths import (OUTPUTS_ENV, StoreError, file_uri, outputs_dir, sqlite_path,  # noqa: F401
+                                        sqlite_uri, tracking_uri)
+from klbench.record.store_repair import _advice, inspect
+
 LOCK_TIMEOUT_S = 300  # a first migration takes seconds; a lock held longer than this is a stuck process
 _checked: set[str] = set()  # stores this process has already opened
-
-
-class StoreError(RuntimeError):
-    """The tracking store cannot be used as it is; the message names the path and what to do."""
-
-
-def outputs_dir() -> Path:
-    """$KLBENCH_OUTPUTS, else ./outputs: everything a run writes."""
-    return Path(os.environ.get(OUTPUTS_ENV) or Path.cwd() / "outputs").resolve()
-
-
-def tracking_uri(outputs: str | Path | None = None) -> str:
-    """$MLFLOW_TRACKING_URI (a relative SQLite path made absolute: the `mlflow ui` command klbench prints
-    works from any folder), else the SQLite store in the outputs folder."""
-    if uri := os.environ.get("MLFLOW_TRACKING_URI"):
-        path = sqlite_path(uri)
-        return sqlite_uri(path, "MLFLOW_TRACKING_URI") if path is not None and not path.is_absolute() else uri
-    return sqlite_uri(Path(outputs or outputs_dir()) / "mlflow.db")
-
-
-# Paths in store URIs. SQLAlchemy (MLflow's and Optuna's SQLite stores) reads the path of sqlite:/// as
-# it is, but for '?' (a query starts) and '%' (it percent-decodes); MLflow creates the store's parent folder
-# from the URI undecoded (3.17.2, mlflow.store.db.utils._make_parent_dirs_if_sqlite), so an escaped '%3F'
-# or '%25' would leave a folder of that name beside the outputs folder: such paths are refused, in one
-# line. MLflow's file:// artifact locations are percent-encoded, which MLflow decodes: unescaped, '#' cut
-# the location short (artifacts landed outside the outputs folder) and a quote broke the SQL that MLflow
-# writes its Default experiment with.
-UNSAFE = "?%"
-
-
-def sqlite_uri(path: str | os.PathLike, setting: str = OUTPUTS_ENV) -> str:
-    """sqlite:////<absolute path>; StoreError naming `setting` for a path holding '?' or '%'."""
-    path = os.path.abspath(path)
-    if bad := sorted({c for c in path if c in UNSAFE}):
-        raise StoreError(f"{setting}: the path {path} holds {' and '.join(map(repr, bad))}, which MLflow cannot "
-                         "take in a SQLite store's path: choose a folder whose path holds no '?' and no '%'")
-    return SQLITE + path
-
-
-def file_uri(path: str | os.PathLike) -> str:
-    """file:///<absolute path>, percent-encoded (MLflow decodes it to the path)."""
-    return Path(os.path.abspath(path)).as_uri()
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The file a sqlite:/// URI names, as SQLAlchemy decodes it (the query after '?' is not the path)."""
-    return Path(unquote(uri[len(SQLITE):].split("?", 1)[0])) if uri.startswith(SQLITE) else None
 
 
 def open_store(uri: str, create: bool = True, template_dir: str | os.PathLike | None = None) -> None:
@@ -188,58 +145,6 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | None,
     return exp.experiment_id
 
 
-def inspect(path: Path) -> tuple[str, str]:
-    """(state, detail), state one of absent, empty, current, old, newer, half-migrated, corrupt.
-    Read-only, with a short busy timeout, and without MLflow's retry loop."""
-    if not path.exists():
-        return "absent", ""
-    if not path.is_file():
-        raise StoreError(f"the MLflow store {path} is not a file")
-    try:
-        con = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, timeout=10)
-        try:
-            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            versions = [r[0] for r in con.execute("SELECT version_num FROM alembic_version")] \
-                if "alembic_version" in tables else []
-        finally:
-            con.close()
-    except sqlite3.DatabaseError as e:
-        return "corrupt", str(e)
-    if not tables:
-        return "empty", ""
-    stray = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
-    if stray or len(versions) != 1 or "runs" not in tables:
-        return "half-migrated", (f"leftover tables {stray}; " if stray else "") + f"schema versions {versions}"
-    head, known = _revisions()
-    if versions[0] == head:
-        return "current", head
-    if versions[0] in known:
-        return "old", f"schema {versions[0]}, this MLflow needs {head}"
-    return "newer", f"schema {versions[0]} is unknown to this MLflow (its newest is {head})"
-
-
-def _advice(path: Path, state: str, detail: str) -> str:
-    uri = sqlite_uri(path)
-    fix = {
-        "corrupt": f"it is not a SQLite database ({detail}). Move it aside to start a new store: mv {path} {path}.corrupt",
-        "half-migrated": f"a schema migration was left half-done ({detail}): the process creating or upgrading "
-                         f"it stopped midway (older klbench versions did when several runs started at once). "
-                         f"Recover with: python -m klbench.record.store repair {path}",
-        "old": f"it was made by an older MLflow ({detail}). Back it up, then: mlflow db upgrade {uri}",
-        "newer": f"it was made by a newer MLflow ({detail}). Upgrade MLflow, or use another store",
-    }[state]
-    return f"MLflow store {path}: {fix}"
-
-
-def _revisions() -> tuple[str, set[str]]:
-    """The newest MLflow schema revision and every revision before it."""
-    from alembic.script import ScriptDirectory
-    from mlflow.store.db.utils import _get_alembic_config
-    script = ScriptDirectory.from_config(_get_alembic_config(db_url=""))
-    (head,) = script.get_heads()
-    return head, {rev.revision for rev in script.walk_revisions()}
-
-
 def _create(uri: str, path: Path, template_dir: str | os.PathLike | None = None) -> None:
     """Creating the SqlAlchemyStore runs MLflow's migration, or with `template_dir` only adds MLflow's
     Default experiment to a copy of the template; the caller holds the lock. A creation that fails midway
@@ -316,59 +221,6 @@ def disk_full(e: BaseException | None) -> BaseException | None:
     return None
 
 
-def repair(path: Path) -> str:
-    """Rebuilds a half-migrated store: a fresh store of the current schema, into which every row of the
-    old one is copied (table by table, the columns both have; a table caught mid-copy by the failed
-    migration is read from its `_alembic_tmp_` twin). The original is kept as a backup. Re-running the
-    migration instead is not safe: MLflow's steps are not idempotent."""
-    state, detail = inspect(path)
-    if state != "half-migrated":
-        return f"{path} is {state}: nothing to repair"
-    backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
-    shutil.copy2(path, backup)
-    fresh = path.with_name(path.name + ".rebuilt")
-    fresh.unlink(missing_ok=True)
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-    SqlAlchemyStore(sqlite_uri(fresh), file_uri(path.parent / "mlartifacts")).engine.dispose()
-    con = sqlite3.connect(fresh)
-    try:
-        con.execute("ATTACH DATABASE ? AS old", (str(backup),))
-        old = {r[0] for r in con.execute("SELECT name FROM old.sqlite_master WHERE type='table'")}
-        new = [r[0] for r in con.execute("SELECT name FROM main.sqlite_master WHERE type='table'")]
-        for table in new:
-            src = table if table in old else f"_alembic_tmp_{table}"
-            if table == "alembic_version" or src not in old:
-                continue
-            have = {r[1] for r in con.execute(f'PRAGMA old.table_info("{src}")')}
-            cols = ", ".join(f'"{r[1]}"' for r in con.execute(f'PRAGMA main.table_info("{table}")') if r[1] in have)
-            con.execute(f'INSERT OR REPLACE INTO main."{table}" ({cols}) SELECT {cols} FROM old."{src}"')
-        con.commit()
-        n_runs = con.execute("SELECT count(*) FROM main.runs").fetchone()[0]
-    finally:
-        con.close()
-    os.replace(fresh, path)
-    if inspect(path)[0] != "current":
-        raise StoreError(f"repair left {path} unusable; the original is kept at {backup}")
-    return f"repaired {path} ({detail}): {n_runs} runs kept; the original is kept at {backup}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("check", "repair"):
-        print("usage: python -m klbench.record.store check|repair PATH/mlflow.db", file=sys.stderr)
-        return 2
-    path = Path(args[1]).resolve()
-    try:
-        if args[0] == "check":
-            state, detail = inspect(path)
-            print(f"{path}: {state}" + (f" ({detail})" if detail else ""))
-            return 0 if state in ("current", "absent", "empty") else 1
-        print(repair(path))
-        return 0
-    except StoreError as e:
-        print(f"klbench.record.store: error: {e}", file=sys.stderr)
-        return 1
-
-
 if __name__ == "__main__":
+    from klbench.record.store_repair import main
     sys.exit(main())
