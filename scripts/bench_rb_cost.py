@@ -24,7 +24,7 @@ import time
 import torch
 
 from klbench.estimators import KLBatch, exact_token_kl_naive, gradient_estimator, value_estimator
-from klbench.estimators.chunked import default_chunk_rows
+from klbench.estimators.vocab_exact import default_chunk_rows
 
 FULL = dict(B=8, T=256, V=50257, repeats=3)
 QUICK = dict(B=2, T=64, V=8192, repeats=1)

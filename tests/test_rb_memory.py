@@ -90,7 +90,7 @@ def test_the_policy_step_gives_up_the_reference_logits(pair):
 
 def test_a_second_backward_through_given_up_logits_is_refused():
     """retain_graph and a second backward would read the gradient as the reference: autograd refuses it."""
-    from klbench.estimators.chunked import token_scores
+    from klbench.estimators.vocab_exact import token_scores
     z = torch.randn(2, 5, 11, requires_grad=True)
     ref, tokens, mask = torch.randn(2, 5, 11), torch.randint(11, (2, 5)), torch.ones(2, 5, dtype=torch.bool)
     logp, kappa = token_scores(z, ref, tokens, mask, donate=True)

@@ -43,7 +43,7 @@ class Estimator:
     # supports_off_policy(), which options may refine
     off_policy: ClassVar[bool] = False
     # whether the surrogate differentiates the exact per-position KL kappa_t (KLBatch.kappa): a scorer then builds
-    # it with the log-probs in one pass (klbench.estimators.chunked.token_scores: one softmax, one gradient)
+    # it with the log-probs in one pass (klbench.estimators.vocab_exact.token_scores: one softmax, one gradient)
     kappa_gradient: ClassVar[bool] = False
     # whether it reads kappa_t at all (its gradient or as a detached baseline): a scorer then computes it
     reads_kappa: ClassVar[bool] = False

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from klbench.estimators.chunked import default_chunk_rows, exact_token_kl
+from klbench.estimators.vocab_exact import default_chunk_rows, exact_token_kl
 
 
 @dataclass

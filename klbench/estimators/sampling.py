@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from klbench.estimators.batch import KLBatch
-from klbench.estimators.chunked import token_logprob, token_scores
+from klbench.estimators.vocab_exact import token_logprob, token_scores
 # the names and rules the config schema reads too, without torch
 from klbench.estimators.targets import KL_TARGETS, is_plain, truncated_model_target, truncates
 

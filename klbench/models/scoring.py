@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from klbench.estimators import KLBatch
-from klbench.estimators.chunked import exact_token_entropy
+from klbench.estimators.vocab_exact import exact_token_entropy
 from klbench.estimators.head_scores import head_logprob, head_scores
 from klbench.estimators.sampling import target_batch
 from klbench.models.head import final_hidden, gathered_heads

@@ -6,7 +6,7 @@ import torch
 
 from klbench.estimators import KLBatch, exact_token_kl, exact_token_kl_naive, gradient_estimator, value_estimator
 from klbench.estimators.base import reward_to_go
-from klbench.estimators.chunked import default_chunk_rows, exact_token_entropy
+from klbench.estimators.vocab_exact import default_chunk_rows, exact_token_entropy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -159,7 +159,7 @@ def test_entropy_matches_formula(chunk_rows):
 def test_token_logprob_matches_gather_minus_logsumexp(dtype, V):
     """The chunked selective log-softmax against autograd's gather - logsumexp: the same forward bits, the same
     gradient, on a non-contiguous view of the logits (as scoring slices the response positions)."""
-    from klbench.estimators.chunked import token_logprob
+    from klbench.estimators.vocab_exact import token_logprob
     gen = torch.Generator().manual_seed(0)
     base = (3 * torch.randn(2, 41, V, generator=gen)).to(dtype)  # [B, T + 1, V]
     tokens = torch.randint(V, (2, 40), generator=gen)  # [B, T]
@@ -188,7 +188,7 @@ def test_token_logprob_matches_gather_minus_logsumexp(dtype, V):
 def test_token_scores_is_token_logprob_and_exact_token_kl_in_one(dtype, V):
     """token_scores' log-probs and kappa are token_logprob's and exact_token_kl's bit for bit, and its one
     gradient is the sum of theirs, for any weights on the two outputs and with a padding tail."""
-    from klbench.estimators.chunked import token_logprob, token_scores
+    from klbench.estimators.vocab_exact import token_logprob, token_scores
     gen = torch.Generator().manual_seed(1)
     base = (3 * torch.randn(2, 41, V, generator=gen)).to(dtype)  # [B, T + 1, V]
     ref = (3 * torch.randn(2, 40, V, generator=gen)).to(dtype)  # [B, T, V]

@@ -1,4 +1,6 @@
-"""Exact per-position KL(pi || pi_ref) over the vocabulary, in row chunks.
+"""Exact per-position quantities over the whole vocabulary, from logits [B, T, V], in row chunks: KL(pi || pi_ref)
+(exact_token_kl), the entropy (exact_token_entropy), the sampled token's log-prob (token_logprob) and both models'
+log-probs with the KL in one pass (token_scores).
 
 The naive version materialises log_softmax of both [B, T, V] tensors in float32
 and autograd keeps several of them alive for backward. Here forward keeps only
