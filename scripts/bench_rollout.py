@@ -8,11 +8,9 @@ docs/running.md, "Speed").
 On the issue-22 peer job's shapes (8 prompts x 4 samples x 32 new tokens; the tiny GPT-2 that
 scripts/bench_trl_peer.py builds under outputs/.bench, or any causal LM folder with --model), interleaved
 round by round so that a change in the machine's load hits every variant alike:
-- a rollout through generate(), through klbench's loop decoding with the model's forward (fused=False), and
-  with klbench's own step (the default: the fused GPT-2 step, or for a Llama, Mistral, Qwen2 or Qwen3 the
-  rotary step of klbench/models/rotary_decode.py); EOS is an id outside the vocabulary, so every rollout runs all
-  32 steps. The three must draw
-  the same tokens under one seed: the script stops if they do not;
+- a rollout through generate() and through klbench's loop (kv_cache_sample); EOS is an id outside the
+  vocabulary, so every rollout runs all 32 steps. The two must draw the same tokens under one seed: the script
+  stops if they do not;
 - the sampling noise for one step: Tensor.exponential_() against exp_noise (the same bits);
 - a training step's scoring, estimate and backward with estimator=loo and estimator=rb;
 - the floor of the peer job's 50 steps: what a training step's aten ops alone take (rollout with the
@@ -196,8 +194,8 @@ def main() -> None:
 
 
 def rollouts(model, tok, ids, attn, new: int, rounds: int) -> None:
-    """generate(), klbench's loop through the model's forward and through klbench's own step, interleaved: the
-    same tokens under one seed (else the script stops), then each one's median."""
+    """generate() and klbench's loop, interleaved: the same tokens under one seed (else the script stops), then
+    each one's median and each round's time."""
     from klbench.models.rollout import generate_sample, kv_cache_sample
 
     V = model.config.vocab_size
@@ -208,55 +206,16 @@ def rollouts(model, tok, ids, attn, new: int, rounds: int) -> None:
             return sampler(model, ids, attn, new, eos_ids=V, pad_id=tok.pad_token_id, **kw).tokens  # V: no token
         return run
 
-    variants = {"generate()": draw(generate_sample),
-                "kv_cache_sample, model's forward (fused=False)": draw(kv_cache_sample, fused=False),
-                "kv_cache_sample, klbench's step (default)": draw(kv_cache_sample)}
+    variants = {"generate()": draw(generate_sample), "kv_cache_sample": draw(kv_cache_sample)}
     tokens = [fn() for fn in variants.values()]
     if not all(torch.equal(t, tokens[0]) for t in tokens):
-        sys.exit("bench_rollout: the three samplers drew different tokens under one seed")
+        sys.exit("bench_rollout: the two samplers drew different tokens under one seed")
     times = interleaved_times(variants, rounds)
-    report(f"rollout ({new} steps, the same tokens from all three)",
+    report(f"rollout ({new} steps, the same tokens from both)",
            {name: statistics.median(ts) for name, ts in times.items()})
     for name, ts in times.items():
         print(f"  {name}: rounds {', '.join(f'{t:.2f}' for t in ts)} s")
-    decode_steps(model, ids, attn, tokens[0])
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
-
-
-def decode_steps(model, ids, attn, drawn) -> None:
-    """One decode step through the model's forward against klbench's own step, step by step over one prefill:
-    both fed the drawn tokens [B, L], which goes first alternating, the logits compared bit for bit. Less
-    exposed to a shared machine's load than whole rollouts: the two calls of a step are milliseconds apart."""
-    import copy
-
-    from klbench.models.gpt2_decode import gpt2_decoder
-    from klbench.models.rollout import _ForwardStep, position_ids_from_mask
-    from klbench.models.rotary_decode import rotary_decoder
-
-    pos = position_ids_from_mask(attn)
-    mask = attn if not bool(attn.all()) else None
-    with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        total = ids.shape[1] + drawn.shape[1]
-        own = gpt2_decoder(model, copy.deepcopy(out.cache), mask, total) or \
-            rotary_decoder(model, copy.deepcopy(out.cache), mask, total)
-        if own is None:
-            return print("decode step: the model has no klbench step of its own")
-        steps = {"model's forward": _ForwardStep(model, out.cache, mask), "klbench's step": own}
-        times = {name: [] for name in steps}
-        p = pos[:, -1]
-        for t in range(drawn.shape[1] - 1):
-            p = p + 1
-            logits = {}
-            for name in (list(steps) if t % 2 else list(steps)[::-1]):
-                t0 = time.perf_counter()
-                logits[name] = steps[name](drawn[:, t], p)
-                times[name].append(time.perf_counter() - t0)
-            if not torch.equal(*logits.values()):
-                sys.exit(f"bench_rollout: the two decode steps gave different logits at step {t + 1}")
-    report(f"\none decode step, the two interleaved step by step ({len(times[name])} steps, the same logits)",
-           {name: statistics.median(ts) for name, ts in times.items()})
-    print("  sums: " + ", ".join(f"{name} {sum(ts):.2f} s" for name, ts in times.items()))
 
 
 def training_step(policy, est, opt, prompts: list[str], clip: float | None = None):

@@ -9,8 +9,7 @@ import torch
 from klbench.models.embedded import ensure_embedded_lm
 from klbench.models.hf import load_causal_lm
 from klbench.models.policies import LMPolicy
-from klbench.models.gpt2_decode import gpt2_decoder, unsupported
-from klbench.models.rollout import exp_noise, generate_sample, kv_cache_sample, position_ids_from_mask
+from klbench.models.rollout import exp_noise, generate_sample, kv_cache_sample
 
 # prompts of different lengths: the batch is left-padded
 PROMPTS = ["The movie", "I did not like it", "A"]
@@ -59,14 +58,11 @@ def _frequent_token(model, tok, ids, attn, new, seed):
     return min(first, key=lambda t: int(first[t].max()))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "forward"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("which", ["embedded", "gpt2"])
-def test_same_tokens_as_generate(which, dtype, fused, request, single_thread):
-    """Token for token, including EOS, the pads after it and the batch's early stop; and the RNG state after.
-    Both decode paths: klbench's fused GPT-2 step and the model's own forward."""
+def test_same_tokens_as_generate(which, dtype, request, single_thread):
+    """Token for token, including EOS, the pads after it and the batch's early stop; and the RNG state after."""
     model, tok = load_causal_lm(request.getfixturevalue(f"{which}_dir"), dtype)
-    assert unsupported(model) is None  # both are plain GPT-2s: fused=True does take the fused step
     ids, attn = _batch(tok)
     assert (attn == 0).any(), "the prompts must be left-padded"
     new = model.config.n_positions - ids.shape[1]
@@ -80,7 +76,7 @@ def test_same_tokens_as_generate(which, dtype, fused, request, single_thread):
         after_ref = torch.rand(4)
         torch.set_num_threads(2)  # generate() ran on one thread; the engine's tokens do not depend on it
         torch.manual_seed(seed)
-        got = kv_cache_sample(model, ids, attn, new, eos, pad, threads=1 + seed, fused=fused)
+        got = kv_cache_sample(model, ids, attn, new, eos, pad, threads=1 + seed)
         assert torch.get_num_threads() == 2  # restored
         torch.set_num_threads(1)
         assert torch.equal(got.tokens, ref)
@@ -120,53 +116,6 @@ def test_policy_rollouts_equal_with_either_sampler(embedded_dir, single_thread):
     assert a.sampled_logp is None and b.sampled_logp is not None
     with pytest.raises(ValueError, match="sampler must be one of"):
         LMPolicy(model, model, tok, max_new_tokens=16, sampler="vllm")
-
-
-@pytest.mark.parametrize("padded", [True, False])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_step_gives_the_forward_bits(gpt2_dir, dtype, padded, single_thread):
-    """klbench's GPT-2 decode step against the model's forward over the same prefill: the same logits, bit for
-    bit, at every step (a wider buffer than the steps need: attention reads only the positions filled)."""
-    model, tok = load_causal_lm(gpt2_dir, dtype)
-    ids, attn = _batch(tok, n=2)
-    if not padded:
-        ids, attn = ids[:, -1:], attn[:, -1:]  # one token per prompt: nothing padded, no mask
-    decode_matches_forward(model, gpt2_decoder, ids, attn)
-
-
-def decode_matches_forward(model, decoder, ids, attn, steps: int = 12):
-    """Over one prefill of ids/attn ([B, P], padded or not), decode `steps` random tokens through
-    decoder(model, cache, mask, total_len) and through model(...): the same logits, bit for bit, at each step (a
-    wider buffer than the steps need: attention reads only the positions filled)."""
-    import copy
-    pos = position_ids_from_mask(attn)
-    mask = attn if bool((attn == 0).any()) else None  # nothing padded: no mask, as the sampler passes
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        step = decoder(model, copy.deepcopy(out.cache), mask, ids.shape[1] + 40)
-        assert step is not None
-        cache, p = out.cache, pos[:, -1]
-        for _ in range(steps):
-            t = torch.randint(0, model.config.vocab_size, (ids.shape[0],), generator=gen).to(ids.device)
-            p = p + 1
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(len(mask), 1)], 1)
-            ref = model(input_ids=t[:, None], cache=cache, attention_mask=mask, position_ids=p[:, None],
-                        use_cache=True, logits_to_keep=1)
-            cache = ref.cache
-            assert torch.equal(step(t, p), ref.logits[:, -1])
-
-
-def test_fused_step_only_for_a_plain_gpt2(gpt2_dir):
-    """Anything it does not mirror keeps the model's forward, and says why."""
-    from transformers import AutoModelForCausalLM
-    eager = AutoModelForCausalLM.from_pretrained(gpt2_dir, attn_implementation="eager")
-    assert "eager" in unsupported(eager)
-    wrapped, _ = load_causal_lm(gpt2_dir)
-    wrapped.transformer.h[0].mlp.c_fc = torch.nn.Linear(4, 4)  # what an adapter library does to a layer
-    assert "block 0" in unsupported(wrapped)
-    assert gpt2_decoder(eager, None, None, 8) is None
 
 
 def test_non_finite_logits_stop_the_rollout(gpt2_dir, single_thread):

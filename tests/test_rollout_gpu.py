@@ -22,7 +22,6 @@ from klbench.models.rollout import generate_sample, kv_cache_sample
 # the CPU test's prompts, batch, stand-in EOS and its model fixtures, reused rather than copied
 from test_rollout import (EMBEDDED, PROMPTS, _batch, _frequent_token,  # noqa: F401
                           embedded_dir, gpt2_dir)
-from test_rotary_decode import _steps_agree
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")]
@@ -50,10 +49,9 @@ def _where_they_differ(got: torch.Tensor, ref: torch.Tensor) -> str:
     return f"{len(rows)} tokens differ, first at row {int(rows[0])} step {int(steps[0])}"
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "forward"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("which", ["embedded", "gpt2"])
-def test_same_tokens_as_generate_on_cuda(which, precision, fused, request):
+def test_same_tokens_as_generate_on_cuda(which, precision, request):
     """test_rollout.test_same_tokens_as_generate on CUDA: token for token, including EOS, the pads after it and
     the batch's early stop; and the CUDA (and CPU) RNG state after, so a run's later steps do not move either."""
     model, tok, forward_ctx = _load(request.getfixturevalue(f"{which}_dir"), precision)
@@ -69,7 +67,7 @@ def test_same_tokens_as_generate_on_cuda(which, precision, fused, request):
             ref = generate_sample(model, ids, attn, new, eos, pad).tokens
             after_ref = torch.cuda.get_rng_state(), torch.get_rng_state()
             torch.manual_seed(seed)
-            got = kv_cache_sample(model, ids, attn, new, eos, pad, fused=fused)
+            got = kv_cache_sample(model, ids, attn, new, eos, pad)
         assert got.tokens.device.type == "cuda" and got.logp.device.type == "cuda"
         assert got.logp.dtype == torch.float32  # the sampling softmax is float32 whatever the weights
         assert torch.equal(got.tokens, ref), f"seed {seed}: " + _where_they_differ(got.tokens, ref)
@@ -161,8 +159,7 @@ def test_rl_run_on_cuda(hardware, embedded_dir, tmp_path):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "forward"])
-def test_same_tokens_as_generate_on_cuda_under_sampling(fused, precision, gpt2_dir):
+def test_same_tokens_as_generate_on_cuda_under_sampling(precision, gpt2_dir):
     """test_sampling_wire's generate() equality at T = 0.7, top-k 50, top-p 0.9 and a two-id stop list, on CUDA."""
     from klbench.estimators.sampling import Sampling
     model, tok, forward_ctx = _load(gpt2_dir, precision)
@@ -173,16 +170,5 @@ def test_same_tokens_as_generate_on_cuda_under_sampling(fused, precision, gpt2_d
         torch.manual_seed(0)
         ref = generate_sample(model, ids, attn, 20, stops, tok.pad_token_id, s).tokens
         torch.manual_seed(0)
-        got = kv_cache_sample(model, ids, attn, 20, stops, tok.pad_token_id, s, fused=fused)
+        got = kv_cache_sample(model, ids, attn, 20, stops, tok.pad_token_id, s)
     assert torch.equal(got.tokens, ref), _where_they_differ(got.tokens, ref)
-
-
-@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_rotary_step_gives_the_forward_bits_on_cuda(arch, precision, padded, tiny_arch):
-    """klbench/models/rotary_decode.py's step on CUDA: the forward's logits, bit for bit, at every step, in
-    float32, bfloat16 and under bf16 autocast (hardware=bf16)."""
-    model, tok, forward_ctx = _load(tiny_arch(arch)[0], precision)
-    with forward_ctx():
-        _steps_agree(model, tok, padded, device="cuda")

@@ -59,9 +59,8 @@ def _two_stops(model, tok, ids, attn, sampling, seed, new=20):
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
-@pytest.mark.parametrize("which,fused", [("tiny_lm", True), ("tiny_lm", False), ("llama", False)],
-                         ids=["gpt2-fused", "gpt2-forward", "llama"])
-def test_same_tokens_as_generate_under_sampling(which, fused, sampling, request, single_thread):
+@pytest.mark.parametrize("which", ["tiny_lm", "llama"], ids=["gpt2", "llama"])
+def test_same_tokens_as_generate_under_sampling(which, sampling, request, single_thread):
     """generate(do_sample=True, temperature, top_k, top_p, eos_token_id=[a, b]) token for token, the RNG state
     after, the stops (every listed id ends a row) and the sampler's log pi_s."""
     model, tok = load_causal_lm(request.getfixturevalue(f"{which}_dir"))
@@ -72,7 +71,7 @@ def test_same_tokens_as_generate_under_sampling(which, fused, sampling, request,
     ref = generate_sample(model, ids, attn, new, stops, tok.pad_token_id, sampling).tokens
     after = torch.rand(4)
     torch.manual_seed(0)
-    got = kv_cache_sample(model, ids, attn, new, stops, tok.pad_token_id, sampling, fused=fused)
+    got = kv_cache_sample(model, ids, attn, new, stops, tok.pad_token_id, sampling)
     assert torch.equal(got.tokens, ref)
     assert torch.equal(torch.rand(4), after)
     mask = response_mask(got.tokens, stops)
