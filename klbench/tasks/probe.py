@@ -61,7 +61,7 @@ def run_probe(cfg: DictConfig) -> dict[str, float]:
     step = resume.load_policy_weights(policy, ckpt_path, cfg) if ckpt_path else 0
     prompts = probe_prompts(cfg, policy, cfg.task.prompts)
     build_s = time.time() - t0
-    if cfg.logger.kind == "mlflow" and not cfg.logger.get("run_name"):
+    if cfg.logger.kind == "mlflow" and not cfg.logger.run_name:
         with open_dict(cfg):
             cfg.logger.run_name = _run_name(cfg, step)
     run_dir = os.path.dirname(cfg.paths.ckpt_dir)
