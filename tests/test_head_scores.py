@@ -36,7 +36,7 @@ def test_head_scores_equal_the_unfused_formula_in_float64(monkeypatch, cap, scal
     ref = LMHead(3 * torch.randn(V, H + 2, generator=g, dtype=torch.float64),
                  torch.randn(V, generator=g, dtype=torch.float64), scale, cap, temperature)
     head, y = LMHead(w, b, scale, cap, temperature), torch.randint(0, V, (N,), generator=g)
-    s = head_scores(h, head, y, h_ref, ref, kappa=True)
+    s = head_scores(h, head, y, h_ref, ref, with_token_kl=True)
     want = _unfused(h, head, y, h_ref, ref)
     for got, exp in zip((s.logp, s.ref_logp, s.kappa, s.entropy), want):
         assert torch.allclose(got, exp, atol=1e-12), float((got - exp).abs().max())
@@ -181,7 +181,7 @@ def test_each_gradient_alone_and_together(monkeypatch, which):
     w = (2 * torch.randn(V, H, generator=g, dtype=torch.float64)).requires_grad_()
     h_ref, y = torch.randn(N, H, generator=g, dtype=torch.float64), torch.randint(0, V, (N,), generator=g)
     head, ref = LMHead(w, None, 1.0, 4.0), LMHead(2 * torch.randn(V, H, generator=g, dtype=torch.float64), None, 1.0, 4.0)
-    s, want = head_scores(h, head, y, h_ref, ref, kappa=True), _unfused(h, head, y, h_ref, ref)
+    s, want = head_scores(h, head, y, h_ref, ref, with_token_kl=True), _unfused(h, head, y, h_ref, ref)
     pick = {"logp": (s.logp, want[0]), "kappa": (s.kappa, want[2]), "entropy": (s.entropy, want[3])}
     got = torch.autograd.grad(sum(pick[k][0].sum() for k in which.split("+")), (h, w), retain_graph=True)
     exp = torch.autograd.grad(sum(pick[k][1].sum() for k in which.split("+")), (h, w))

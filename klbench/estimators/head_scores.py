@@ -72,7 +72,7 @@ class Scores:
     entropy: torch.Tensor | None = None
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def _acc(dtype: torch.dtype) -> torch.dtype:  # the softmax arithmetic's dtype: float64 stays (the exact tests)
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -119,8 +119,7 @@ def _dz_da(z: torch.Tensor, head: LMHead) -> torch.Tensor | float:
     return (1 - t * t) * k
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[r] row-wise sum of a * b, [r, vb] each, as one batched product: no [r, vb] product is written."""
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [r]: sum a * b by rows, no [r, vb] product written
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(-1)).view(-1)
 
 
@@ -268,14 +267,13 @@ def _accumulate(ga, x, head, v0, v1, r0, r1, gh, gw, gb, cd) -> None:
 
 
 def head_scores(h: torch.Tensor, head: LMHead, tokens: torch.Tensor, h_ref: torch.Tensor, ref_head: LMHead,
-                kappa: bool = False, entropy: bool = True, ref_norm: tuple | None = None) -> Scores:
+                with_token_kl: bool = False, with_entropy: bool = True, ref_norm: tuple | None = None) -> Scores:
     """The per-position scores of N rows: h [N, H] the policy's final hidden states (differentiable, as are
     head.weight and head.bias), h_ref [N, H_ref] the reference's (frozen), tokens [N] the scored tokens.
 
-    kappa: also the exact KL(pi || pi_ref) per row, differentiable (one more head product of the reference in
-    forward, and in backward where kappa's gradient is used). entropy: the policy's entropy per row,
-    differentiable. ref_norm: the reference's normaliser (m_r, log s_r) [N] each, where the caller has it with its
-    log-probs (head_logprob: a step's reference pass); then Scores.ref_logp is None. None: computed here.
+    with_token_kl: also kappa, the exact KL(pi || pi_ref) per row (one more head product of the reference in forward,
+    and in backward where its gradient is used); with_entropy: the entropy per row; both differentiable. ref_norm:
+    the reference's (m_r, log s_r) [N] each, from its log-probs' pass (head_logprob); then Scores.ref_logp is None.
     """
     if h.dim() != 2 or h_ref.dim() != 2 or tokens.shape != h.shape[:1] or h_ref.shape[0] != h.shape[0]:
         raise ValueError(f"head_scores: h [N, H], h_ref [N, H_ref] and tokens [N] must agree; got {tuple(h.shape)}, "
@@ -288,9 +286,9 @@ def head_scores(h: torch.Tensor, head: LMHead, tokens: torch.Tensor, h_ref: torc
         ref_logp, ref_norm = head_logprob(h_ref, ref_head, tokens)
     logp, k, ent = _HeadScores.apply(
         h, head.weight, head.bias, h_ref.detach(), ref_head.weight.detach(),
-        None if ref_head.bias is None else ref_head.bias.detach(), tokens, head, ref_head, kappa,
+        None if ref_head.bias is None else ref_head.bias.detach(), tokens, head, ref_head, with_token_kl,
         ref_norm[0].detach(), ref_norm[1].detach(), _compute_dtype(h))
-    return Scores(logp, ref_logp, k if kappa else None, ent if entropy else None)
+    return Scores(logp, ref_logp, k if with_token_kl else None, ent if with_entropy else None)
 
 
 @torch.no_grad()

@@ -59,7 +59,8 @@ def completion_batch(h: torch.Tensor, head: LMHead, h_ref: torch.Tensor, ref_hea
     position before each token); mask [B, T] bool, EOS included. Only masked-in rows are scored; log-probs and
     kappa are 0 off the mask, where KLBatch never reads them (kappa's reward-to-go sums them: they must be 0).
     """
-    s = head_scores(h[mask], head, tokens[mask], h_ref[mask], ref_head, kappa=True, entropy=False)  # [N] each
+    s = head_scores(h[mask], head, tokens[mask], h_ref[mask], ref_head, with_token_kl=True,
+                    with_entropy=False)  # [N] each
 
     def spread(x: torch.Tensor) -> torch.Tensor:  # [N] -> [B, T], differentiable in x
         return torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_scatter(mask, x)

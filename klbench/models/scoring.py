@@ -88,8 +88,8 @@ def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 class Scoring:
-    """One rollout's scoring by an LMPolicy (the module docstring). with_token_kl: compute the exact per-position KL (the
-    estimator differentiates it, or the step logs or controls with rb). logits: the logits path whatever the
+    """One rollout's scoring by an LMPolicy (the module docstring). with_token_kl: compute the exact per-position KL
+    (the estimator differentiates it, or the step logs or controls with rb). logits: the logits path whatever the
     policy's default (the probe measures top-k estimators)."""
 
     def __init__(self, policy, ro, micro_batch_size: int | None, with_token_kl: bool, logits: bool = False):
@@ -109,7 +109,8 @@ class Scoring:
         # left padding: positions count real tokens only, as the sampler did. The head projects the L response
         # positions (P - 1 ... P + L - 2) only. No KV cache: scoring never reads one, and a layer that writes it
         # would write it again when gradient checkpointing recomputes the layer
-        return dict(input_ids=sub.tokens, attention_mask=sub.attention, position_ids=position_ids_from_mask(sub.attention),
+        return dict(input_ids=sub.tokens, attention_mask=sub.attention,
+                    position_ids=position_ids_from_mask(sub.attention),
                     logits_to_keep=torch.arange(T - L - 1, T - 1, device=sub.tokens.device), use_cache=False)
 
     @torch.no_grad()
@@ -140,7 +141,9 @@ class Scoring:
 
     def _heads(self, release: bool = True):
         """The block in which the hidden-state path reads both LM heads (klbench.models.head.gathered_heads)."""
-        return gathered_heads(self.policy.model, self.policy.ref, release=release) if self.from_hidden else nullcontext()
+        if not self.from_hidden:
+            return nullcontext()
+        return gathered_heads(self.policy.model, self.policy.ref, release=release)
 
     def _part(self, i: int, j: int) -> ScoredBatch:
         sub = self.ro.rows(i, j)
@@ -153,7 +156,7 @@ class Scoring:
             h = final_hidden(self.policy.model, sub.mask.shape[1], **self._inputs(sub))  # [m, L, H]
         mask = sub.mask
         tok = sub.tokens[:, self.ro.prompt_len:][mask]  # [N]
-        s = head_scores(h[mask], head, tok, self.ref.hidden[i:j][mask], ref_head, kappa=self.with_token_kl,
+        s = head_scores(h[mask], head, tok, self.ref.hidden[i:j][mask], ref_head, with_token_kl=self.with_token_kl,
                         ref_norm=tuple(x[i:j][mask] for x in self.ref.norm))
         kappa = None if s.kappa is None else _scatter(mask, s.kappa)
         return ScoredBatch(_scatter(mask, s.logp), self.ref.logp[i:j], mask, group=sub.group, token_kl=kappa,
