@@ -31,7 +31,7 @@ from urllib.parse import unquote
 # callers reach the paths through this module (store.tracking_uri(), store.StoreError)
 from klbench.record.store_paths import (OUTPUTS_ENV, StoreError, file_uri, outputs_dir, sqlite_path,  # noqa: F401
                                         sqlite_uri, tracking_uri)
-from klbench.record.store_repair import _advice, inspect
+from klbench.record.store_repair import _advice, inspect, main  # main: `python -m klbench.record.store check|repair`
 
 LOCK_TIMEOUT_S = 300  # a first migration takes seconds; a lock held longer than this is a stuck process
 _checked: set[str] = set()  # stores this process has already opened
@@ -222,5 +222,4 @@ def disk_full(e: BaseException | None) -> BaseException | None:
 
 
 if __name__ == "__main__":
-    from klbench.record.store_repair import main
     sys.exit(main())
