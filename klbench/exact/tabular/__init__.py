@@ -13,7 +13,7 @@ from klbench.exact.tabular.model import DTYPE, RAW, Moments, RawBatch, Surrogate
 from klbench.exact.tabular.optimum import (Frontier, TabularReward, optimal_seq_logprob, pareto_frontier, rl_frontier,
                                            table_from_seq_logprob)
 
-__all__ = ["CANDIDATES", "DTYPE", "OLD_CANDIDATES", "RAW", "AuditReport", "AuditRow", "Behaviour", "Frontier", "Moments",
-           "RawBatch", "Surrogate", "TabularModel", "TabularReward", "audit", "audit_targets", "behaviour_tables",
+__all__ = ["CANDIDATES", "DTYPE", "OLD_CANDIDATES", "RAW", "AuditReport", "AuditRow", "Behaviour", "Frontier",
+           "Moments", "RawBatch", "Surrogate", "TabularModel", "TabularReward", "audit", "audit_targets", "behaviour_tables",
            "default_instances", "fixed_length_instances", "near_reference_instances", "optimal_seq_logprob",
            "pareto_frontier", "rl_frontier", "table_from_seq_logprob"]
