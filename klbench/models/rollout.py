@@ -13,8 +13,9 @@ as generate(do_sample=True, temperature=T, top_k=k, top_p=p) does in transformer
 (left-padded prefill with positions counted from each row's first real token, the mask dropped when nothing
 is padded, logits of the last position only, every step through the model's own forward), the same warpers,
 and multinomial's own arithmetic on the same draws. Under one seed the tokens are identical
-(tests/test_rollout.py), and the RNG stream after a rollout is too, so a run's later steps do not move either. Every id of `eos_ids` ends a row (instruct models list several: Llama-3.1's
-[128001, 128008, 128009]), as generate(eos_token_id=[...]) does.
+(tests/test_rollout.py), and the RNG stream after a rollout is too, so a run's later steps do not move either.
+Every id of `eos_ids` ends a row (instruct models list several: Llama-3.1's [128001, 128008, 128009]), as
+generate(eos_token_id=[...]) does.
 
 Where the time went on CPU (the peer job of docs/running.md, 32 rows x 2,000 tokens): the Exp(1)
 noise behind each multinomial draw was a serial kernel as long as a whole decode step (exp_noise
