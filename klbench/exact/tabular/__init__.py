@@ -14,6 +14,6 @@ from klbench.exact.tabular.optimum import (Frontier, TabularReward, optimal_seq_
                                            table_from_seq_logprob)
 
 __all__ = ["CANDIDATES", "DTYPE", "OLD_CANDIDATES", "RAW", "AuditReport", "AuditRow", "Behaviour", "Frontier",
-           "Moments", "RawBatch", "Surrogate", "TabularModel", "TabularReward", "audit", "audit_targets", "behaviour_tables",
-           "default_instances", "fixed_length_instances", "near_reference_instances", "optimal_seq_logprob",
-           "pareto_frontier", "rl_frontier", "table_from_seq_logprob"]
+           "Moments", "RawBatch", "Surrogate", "TabularModel", "TabularReward", "audit", "audit_targets",
+           "behaviour_tables", "default_instances", "fixed_length_instances", "near_reference_instances",
+           "optimal_seq_logprob", "pareto_frontier", "rl_frontier", "table_from_seq_logprob"]
