@@ -55,7 +55,7 @@ class _LanguageModel(Options):
     """What the embedded LM and any hf model share."""
     dtype: DType = "float32"
     lora: Lora = Lora()
-    # null: the model's default (sdpa where supported, which the fused GPT-2 passes need); eager, sdpa,
+    # null: the model's default (sdpa where supported); eager, sdpa,
     # flex_attention, flash_attention_2/3 (docs/instruct.md)
     attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None
     # recompute each layer's activations in backward instead of keeping them (transformers', klbench.models.hf)
