@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.environments import LSFEnvironment, SLURMEnvironm
 
 from klbench.console import messages as console, progress
 
-from klbench.record import resume, tracking
+from klbench.record import folder_run, resume, tracking
 from klbench.record.lifecycle import recorded_run
 from klbench.models.policies import build_policy, sampling_params, sampling_text, task_sampling
 from klbench.rewards.reward import build_reward
@@ -157,7 +157,7 @@ def run_task(cfg: DictConfig) -> dict[str, float]:
 def run_training(cfg: DictConfig) -> dict[str, float]:
     """task=rl, task=distill: train one run, or resume it; returns the final validation metrics."""
     ckpt_path, payload = _resume_from(cfg)
-    if payload is not None and resume.finished(payload, cfg) and tracking.run_finished(cfg):
+    if payload is not None and resume.finished(payload, cfg) and folder_run.run_finished(cfg):
         return _already_finished(cfg, payload, ckpt_path)
     if payload is not None:
         log.info("resuming from step %s of %s", payload.get("step"), ckpt_path)
@@ -214,15 +214,15 @@ def _resume_from(cfg: DictConfig) -> tuple[str | None, dict | None]:
     it exists, it is klbench's, it was made under this config and by this folder's MLflow run.
     A refused resume settles the run it meant to continue (KILLED, if its process is gone)."""
     try:
-        ckpt_path = resume.resolve_ckpt(cfg, tracking.folder_run_state)
+        ckpt_path = resume.resolve_ckpt(cfg, folder_run.folder_run_state)
         if ckpt_path is None:
             return None, None
         payload = resume.load_payload(ckpt_path)
         resume.check_config(payload, cfg, ckpt_path)
         resume.check_run(payload, cfg, ckpt_path)
-        tracking.check_resume_store(cfg, payload)
+        folder_run.check_resume_store(cfg, payload)
     except resume.ResumeError as e:
-        tracking.settle_folder_run(cfg, f"resume refused: {e}")
+        folder_run.settle_folder_run(cfg, f"resume refused: {e}")
         raise
     return ckpt_path, payload
 
@@ -232,7 +232,7 @@ def _settled_if_refused(cfg: DictConfig, check, *args) -> None:
     try:
         check(*args)
     except resume.ResumeError as e:
-        tracking.settle_folder_run(cfg, f"resume refused: {e}")
+        folder_run.settle_folder_run(cfg, f"resume refused: {e}")
         raise
 
 
