@@ -1,4 +1,4 @@
-"""scripts/bench_rollout.py runs end to end on a tiny GPT-2 folder: its three samplers draw the same tokens
+"""scripts/bench_rollout.py runs end to end on a tiny GPT-2 folder: its two samplers draw the same tokens
 (the script stops otherwise), it prints every variant's median and ratio, the floor and the bare job."""
 import os
 import re
@@ -17,7 +17,7 @@ def test_bench_rollout_runs_and_its_samplers_agree(tiny_lm_dir):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = re.findall(r"^  (.+?)\s+([\d.]+) (ms|us)\s+([\d.]+)x$", proc.stdout, re.M)
     assert [r[0].split(" (")[0].split(",")[0] for r in rows] == [
-        "generate()", "kv_cache_sample", "kv_cache_sample", "Tensor.exponential_()", "exp_noise",
+        "generate()", "kv_cache_sample", "Tensor.exponential_()", "exp_noise",
         "estimator=loo", "estimator=rb"]
     assert all(float(r[1]) > 0 for r in rows)
     # the floor, and the bare job (the same steps and both validations as a whole process of its own)

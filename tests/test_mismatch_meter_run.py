@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import klbench.tasks.rl as rl
+import klbench.tasks.rl_metrics as rl_metrics
 from klbench.estimators.sampling import Sampling, target_batch
 from klbench.tasks.train import run_task
 from test_config import compose_cfg
@@ -20,7 +20,7 @@ def test_a_run_logs_the_meter_and_names_a_large_mismatch(tmp_path, tiny_arch, ca
               "task.val_prompts=2", "task.log_every=1", "logger=csv"]
     run_task(compose_cfg(tmp_path / "a", common))
     assert "the sampler and the scorer disagree" not in capsys.readouterr().out  # float32 on a CPU: ~1e-7
-    monkeypatch.setattr(rl, "MISMATCH_CHI2_LARGE", -1.0)  # any logged chi^2 is "large": the line must name it
+    monkeypatch.setattr(rl_metrics, "MISMATCH_CHI2_LARGE", -1.0)  # any logged chi^2 is "large": the line must name it
     run_task(compose_cfg(tmp_path / "b", common))
     out = capsys.readouterr().out
     assert "klbench: the sampler and the scorer disagree: train/mismatch_chi2 " in out
