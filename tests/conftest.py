@@ -38,13 +38,34 @@ for _var in RECORD_VARS:
 # the server tests share one session fixture each (a SLURM cluster on fixed ports, one PostgreSQL): under
 # pytest-xdist (-n 2 in pyproject.toml) each kind runs on one worker, started once; the rest spread out
 SERVER_GROUPS = ("slurm", "servers")
+# modules whose module-scoped fixture is a whole sweep (and, for the UI, its served store and a browser): on one
+# worker each it is built once, where spread over both it was built twice (20 s and 11 s of each run)
+MODULE_GROUPS = {"test_mlflow_browser.py": "ui", "test_sweeps.py": "sweeps"}
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for group in SERVER_GROUPS:
             if item.get_closest_marker(group):
                 item.add_marker(pytest.mark.xdist_group(group))
+        if item.path.name in MODULE_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(MODULE_GROUPS[item.path.name]))
+    if getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", "") == "loadgroup":
+        _group_ids(items)
+
+
+def _group_ids(items) -> None:
+    """xdist's loadgroup keeps the tests whose id ends in @<group> on one worker. pytest-xdist 3.8 appends the group
+    to item._nodeid, which pytest 9 no longer reads (a node's id is item._id): the groups were silently ignored
+    and every worker built the servers, the cluster and the module fixtures above. The suffix goes where pytest 9
+    reads it (after xdist's own hook: this one runs last)."""
+    from _pytest.nodeid import coerce_node_id
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @pytest.fixture(autouse=True)
