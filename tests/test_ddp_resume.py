@@ -5,14 +5,13 @@ uninterrupted run's metrics."""
 from __future__ import annotations
 
 import itertools
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 from torch.utils.data import DataLoader
+
+from ranks_cli import final_metrics, rank_args, rank_env
 
 
 def test_each_rank_continues_its_own_share_of_the_prompts():
@@ -50,30 +49,18 @@ def test_a_checkpoint_without_each_ranks_rng_gives_its_own_to_every_rank():
 
 def _klbench(tmp_path: Path, pair, *extra, check: bool = True) -> subprocess.CompletedProcess:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    args = [str(Path(sys.executable).with_name("klbench")), "hardware=ddp", "hardware.devices=2",
-            "hardware.accelerator=cpu", "model=hf", f"model.name_or_path={pair[0]}",
-            f"model.ref_name_or_path={pair[1]}", "estimator=naive_mc", "estimator.beta=1.0", "logger=csv",
-            "task.prompts_per_step=2", "task.n_samples=2", "task.max_new_tokens=8", "task.val_prompts=4",
-            "task.val_every=2", "task.log_every=1", f"paths.outputs={tmp_path / 'outputs'}",
-            f"hydra.run.dir={tmp_path / 'run'}", *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KLBENCH_OUTPUTS": str(tmp_path / "outputs")}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    args, env = rank_args(tmp_path, pair, "ddp", 2, *extra), rank_env(tmp_path)
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 or not check, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
 
-def _final(proc) -> dict[str, float]:
-    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("val/")]
-    return {parts[0]: float(parts[-1]) for parts in lines}
-
-
 def test_a_two_process_ddp_run_stopped_and_resumed_equals_the_straight_run(tmp_path, tiny_arch):
     pair = tiny_arch("llama")
-    straight = _final(_klbench(tmp_path / "a", pair, "task.max_steps=6"))
+    straight = final_metrics(_klbench(tmp_path / "a", pair, "task.max_steps=6"))
     _klbench(tmp_path / "b", pair, "task.max_steps=2")  # stops at its validation of step 2
     ckpt = torch.load(tmp_path / "b" / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    resumed = _final(_klbench(tmp_path / "b", pair, "task.max_steps=6", "ckpt_path=last",
+    resumed = final_metrics(_klbench(tmp_path / "b", pair, "task.max_steps=6", "ckpt_path=last",
                               "ckpt_allow_changes=[task.max_steps]"))
     assert straight["val/seq_kl"] > 0 and straight == resumed, (straight, resumed)
     assert ckpt["global_step"] == 2 and len(ckpt["rng_ranks"]) == 2

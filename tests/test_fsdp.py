@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from klbench.config.schema import ConfigError, validate
+from ranks_cli import final_metrics, rank_args, rank_env
 from test_config import compose_cfg
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -31,12 +32,6 @@ CASES = {
 }
 
 
-def _env(tmp_path) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KLBENCH_OUTPUTS": str(tmp_path / "outputs")}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return env
-
-
 def _worker(tmp_path, world: int, pair) -> dict[str, dict]:
     """{case: the worker's results} of one start of `world` ranks over every case."""
     jobs = []
@@ -45,7 +40,7 @@ def _worker(tmp_path, world: int, pair) -> dict[str, dict]:
         overrides = ["model=hf", f"model.name_or_path={pair[0]}", *COMMON, *(x.format(teacher=pair[1]) for x in extra)]
         jobs.append(" ".join([str(out), *overrides]))
     proc = subprocess.run([sys.executable, str(WORKER), str(world), " :: ".join(jobs)], cwd=tmp_path,
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+                          env=rank_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {name: torch.load(tmp_path / f"{name}-{world}.pt") for name in CASES}
 
@@ -90,28 +85,18 @@ def test_each_rank_holds_half_the_bytes(one_and_two):
 
 def _klbench(tmp_path, pair, *extra, wait: bool = True):
     tmp_path.mkdir(parents=True, exist_ok=True)
-    args = [str(Path(sys.executable).with_name("klbench")), "hardware=fsdp", "hardware.devices=2",
-            "hardware.accelerator=cpu", "model=hf", f"model.name_or_path={pair[0]}",
-            f"model.ref_name_or_path={pair[1]}", "estimator=naive_mc", "estimator.beta=1.0", "logger=csv",
-            "task.prompts_per_step=4", "task.n_samples=2", "task.max_new_tokens=8", "task.val_prompts=4",
-            "task.val_every=2", "task.log_every=1", f"paths.outputs={tmp_path / 'outputs'}",
-            f"hydra.run.dir={tmp_path / 'run'}", *extra]
+    args = rank_args(tmp_path, pair, "fsdp", 4, *extra)
     if not wait:
-        return subprocess.Popen(args, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
+        return subprocess.Popen(args, cwd=tmp_path, env=rank_env(tmp_path), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    return subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
-
-
-def _final(proc) -> dict[str, float]:
-    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("val/")]
-    return {parts[0]: float(parts[-1]) for parts in lines}
+    return subprocess.run(args, cwd=tmp_path, env=rank_env(tmp_path), capture_output=True, text=True, timeout=600)
 
 
 def test_a_two_rank_run_trains_on_a_llama_folder(tmp_path, tiny_arch):
     pair = tiny_arch("llama")
     proc = _klbench(tmp_path, pair, "task.max_steps=4")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    final = _final(proc)
+    final = final_metrics(proc)
     assert final["val/seq_kl"] > 0, proc.stdout[-2000:]  # naive_mc's noise moved the policy off pi_ref
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 4 and len(ckpt["rng_ranks"]) == 2  # one file, each rank's RNG
@@ -128,7 +113,7 @@ def test_bf16_mixed_keeps_float32_shards(tmp_path, tiny_arch):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert {v.dtype for v in ckpt["state_dict"].values()} == {torch.float32}
-    assert _final(proc)["val/seq_kl"] > 0
+    assert final_metrics(proc)["val/seq_kl"] > 0
 
 
 @pytest.mark.slow
@@ -137,9 +122,9 @@ def test_the_embedded_default_trains_on_two_ranks(tmp_path):
     args = [str(Path(sys.executable).with_name("klbench")), "hardware=fsdp", "hardware.devices=2",
             "hardware.accelerator=cpu", "task.max_steps=4", "task.val_every=2", "logger=none",
             f"paths.outputs={tmp_path / 'outputs'}", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(args, cwd=tmp_path, env=rank_env(tmp_path), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert _final(proc)["val/seq_kl"] > 0
+    assert final_metrics(proc)["val/seq_kl"] > 0
 
 
 @pytest.mark.slow
@@ -158,7 +143,7 @@ def test_a_killed_two_rank_run_resumes_exactly(tmp_path, tiny_arch):
     assert step < 6
     resumed = _klbench(tmp_path / "b", pair, "task.max_steps=6", "ckpt_path=last")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    a, b = _final(straight), _final(resumed)
+    a, b = final_metrics(straight), final_metrics(resumed)
     assert a and a == b, (a, b, step)
     # another number of ranks would continue other random streams: refused in one line
     other = _klbench(tmp_path / "b", pair, "hardware.devices=1", "task.max_steps=8", "ckpt_path=last",
