@@ -58,16 +58,27 @@ def generation_defaults(model) -> tuple[list[int], dict]:
 # klbench.models.policies), or that change nothing in it (it always samples; ids and transformers' bookkeeping)
 _HONOURED = {"temperature", "top_k", "top_p", "do_sample", "eos_token_id", "pad_token_id", "bos_token_id",
              "decoder_start_token_id", "transformers_version", "_from_model_config", "use_cache"}
+# entries that change what generate() returns or how fast, never which tokens it samples: what it outputs beside
+# the ids, its cache and compilation, and speculative decoding (which keeps the sampled distribution). Naming
+# them at start-up ("output_attentions=False, which klbench does not apply") was noise in every run (issue 51)
+_NOT_SAMPLING = {"output_attentions", "output_hidden_states", "output_scores", "output_logits",
+                 "return_dict_in_generate", "num_return_sequences", "cache_implementation", "cache_config",
+                 "max_cache_len", "return_legacy_cache", "compile_config", "disable_compile", "low_memory",
+                 "prefill_chunk_size", "continuous_batching_config", "is_assistant", "assistant_confidence_threshold",
+                 "assistant_early_exit", "assistant_lookbehind", "target_lookbehind", "num_assistant_tokens",
+                 "num_assistant_tokens_schedule", "prompt_lookup_num_tokens", "max_matching_ngram_size",
+                 "speculation_type"}
 
 
 def unapplied_generation_options(model) -> dict:
     """What a model's generation_config sets that klbench's rollouts do not apply, e.g. {"repetition_penalty": 1.2,
-    "no_repeat_ngram_size": 3}: its non-default entries (GenerationConfig.to_diff_dict) less _HONOURED. Under
-    task.max_new_tokens, the folder's max_length or max_new_tokens are among them."""
+    "no_repeat_ngram_size": 3}: its non-default entries (GenerationConfig.to_diff_dict) that change what a model
+    samples, i.e. less _HONOURED and _NOT_SAMPLING. Under task.max_new_tokens, the folder's max_length or
+    max_new_tokens are among them."""
     g = getattr(model, "generation_config", None)
     if g is None:
         return {}
-    return {k: v for k, v in sorted(g.to_diff_dict().items()) if k not in _HONOURED}
+    return {k: v for k, v in sorted(g.to_diff_dict().items()) if k not in _HONOURED and k not in _NOT_SAMPLING}
 
 
 # ----------------------------------------------------------------------------- loading (hub id or local path)
