@@ -64,6 +64,8 @@ def _check_combination(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str, tea
         raise ConfigError(f"estimator.setting={e.setting} is {kind}: it belongs to task={setting_task(e.setting)}, "
                           f"not task={task} (`klbench-audit --all` lists each task's settings)")
     _check_tabular_pair(cfg, teacher)
+    from klbench.config.sampler_rules import check_sampler
+    check_sampler(cfg, t, e, model)  # task.sampler, task.behaviour
     n = t.n_samples
     _check_micro_batch(cfg, t, e, model)
     _check_placement(t, e, OmegaConf.select(cfg, "kl_ctl.name"))

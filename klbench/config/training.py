@@ -42,6 +42,31 @@ class SamplingFields(Options):
     kl_target: Literal[tuple(KL_TARGETS)] = "sampler"
 
 
+# the rollout engine when it is not the trainer (klbench/models/sampler_engine.py, docs/mismatch.md "The sampler is
+# not the trainer"): the names of its options, read here without torch
+SAMPLER_PRECISIONS = ("same", "bf16", "float16")
+SAMPLER_ATTENTION = ("same", "eager", "sdpa")
+BEHAVIOURS = ("sampler", "scorer")
+
+
+def engine_truncation(engine: str, sampling: str) -> str:
+    """The one line that refuses task.behaviour=sampler for an engine that is not the trainer, under truncation."""
+    return (f"task.behaviour=sampler with task.sampler's {engine} and a truncating sampler ({sampling}): the engine "
+            "cuts top-k/top-p on its own logits, so it may never draw tokens the trainer's pi_s keeps, and no "
+            "importance weight can fix that; sample without top_k/top_p, or use task.behaviour=scorer")
+
+
+class SamplerFields(Options):
+    """task.sampler: a rollout engine that is not the trainer, as a pipelined RL system runs one. precision: the
+    engine's copy of the policy in bf16 or float16 (same: the trainer's dtype); attn_implementation: the engine's
+    attention (same: the trainer's); lag: each step trains on rollouts drawn by the weights of `lag` optimiser
+    steps ago (AReaL, PipelineRL); the first `lag` steps by the initial weights. All at their defaults the sampler
+    is the trainer's own model."""
+    precision: Literal[SAMPLER_PRECISIONS] = "same"
+    attn_implementation: Literal[SAMPLER_ATTENTION] = "same"
+    lag: int = Field(0, ge=0)
+
+
 class TaskRL(SamplingFields):
     """Reward + beta * KL(pi || pi_ref): RLOO (task.advantage) for the reward, the configured estimator for the KL."""
     name: Literal["rl"]
@@ -76,6 +101,11 @@ class TaskRL(SamplingFields):
     adv_eps: float = Field(1.0e-6, gt=0)  # grpo's (r - mean) / (std + adv_eps): verl 1e-6, TRL 1e-4
     # seq_sum | token_mean (DAPO) | seq_mean_token_mean (GRPO) | seq_sum_norm (Dr. GRPO, / max_new_tokens)
     loss_agg: Literal[LOSS_AGGS] = "seq_sum"
+    sampler: SamplerFields = SamplerFields()
+    # the behaviour policy a batch drawn by another engine carries (KLBatch.old_logp): the engine's own log-probs
+    # (Rollout.sampled_logp, as vLLM sends them) or the trainer's recomputation, which hides the mismatch
+    # (docs/mismatch.md, "task.behaviour")
+    behaviour: Literal[BEHAVIOURS] = "sampler"
 
 
 class TaskDistill(TaskRL):

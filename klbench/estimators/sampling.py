@@ -146,9 +146,11 @@ def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.T
                  with_token_kl: bool = False, donate_ref: bool = False) -> KLBatch:
     """The KLBatch of `target` for responses `tokens` [B, T] drawn by `sampling` from `logits` [B, T, V].
 
-    target=model (sampling not plain): old_logp = log pi_s(y), from `behaviour_logp` [B, T] when the sampler
-    kept its own log-probs (then the off-policy estimators also correct for any gap between the sampler's and
-    the scorer's arithmetic), else from these logits.
+    behaviour_logp [B, T]: the log-probs of the policy that drew `tokens` as the sampler reported them (a rollout
+    engine's own, task.behaviour=sampler): the batch carries them as old_logp at every temperature, T = 1 included,
+    and the off-policy estimators correct for every gap between the engine and the scorer. Without them,
+    target=model off plain sampling recomputes old_logp = log pi_s(y) from these logits (task.behaviour=scorer),
+    and every other batch is on-policy.
     with_token_kl: also the exact per-position KL (KLBatch.token_kl), with logp in one pass (token_scores), for an
     estimator that differentiates it (Estimator.kappa_gradient); else KLBatch.kappa computes it on first use.
     donate_ref: ref_logits are the caller's to give up (LMPolicy's, computed for this batch): kappa's backward
@@ -167,7 +169,7 @@ def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.T
         logp = token_logprob(pol, tokens)
     ref_logp = token_logprob(ref, tokens)
     old = None
-    if target == "model" and not sampling.is_plain:
+    if behaviour_logp is not None or (target == "model" and not sampling.is_plain):
         old = behaviour_logp if behaviour_logp is not None else \
             token_logprob(sampling.process(logits.detach()), tokens)
         old = torch.where(mask, old.to(logp.dtype), logp.detach())  # padding: any finite value that says on-policy

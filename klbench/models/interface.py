@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
+from klbench.config.training import engine_truncation
 from klbench.estimators import KLBatch
 from klbench.estimators.vocab_exact import exact_token_entropy
 from klbench.estimators.sampling import Sampling, token_logprob
@@ -34,11 +35,12 @@ class Rollout:
     prompts: list[str]
     seq_ids: torch.Tensor | None = None  # [B] tabular sequence ids
     sampled_logp: torch.Tensor | None = None  # [B, L] the sampler's log pi_s of its tokens, where it keeps them
+    by_engine: bool = False  # drawn by a rollout engine that is not the trainer (task.sampler)
 
     def rows(self, i: int, j: int) -> "Rollout":
         """Sequences i..j-1: the same prompt length P (left padding kept), every per-sequence field sliced."""
         cut = {f.name: getattr(self, f.name)[i:j] for f in fields(self)
-               if f.name != "prompt_len" and getattr(self, f.name) is not None}
+               if f.name not in ("prompt_len", "by_engine") and getattr(self, f.name) is not None}
         return replace(self, **cut)
 
 
@@ -73,10 +75,53 @@ class Policy(nn.Module):
     # how rollouts sample (pi_s) and which KL score() builds its batch for (klbench/estimators/sampling.py)
     sampling: Sampling = PLAIN
     kl_target: str = "sampler"
+    # the rollout engine of a training step where it is not the trainer (klbench.models.sampler_engine, task.sampler),
+    # and which log-probs a batch it drew carries as its behaviour policy (task.behaviour)
+    engine = None
+    behaviour: str = "sampler"
 
-    def rollout(self, prompts: list[str], n: int) -> Rollout:
-        """n samples y ~ pi_s per prompt (ancestral; pi itself at plain sampling)."""
+    def rollout(self, prompts: list[str], n: int, engine: bool = False) -> Rollout:
+        """n samples y ~ pi_s per prompt (ancestral; pi itself at plain sampling). engine: drawn by the training
+        steps' rollout engine where it is not the trainer (set_engine); validation and the probe draw with pi."""
         raise NotImplementedError
+
+    def set_engine(self, spec, behaviour: str = "sampler") -> None:
+        """A rollout engine that is not the trainer (a klbench.models.sampler_engine.EngineSpec that differs),
+        and task.behaviour. Refuses, in one line, what no weight can fix: a truncating sampler (top-k, top-p) whose
+        cut the engine makes on its own logits, so that its support need not cover the trainer's pi_s."""
+        if behaviour not in ("sampler", "scorer"):
+            raise ValueError(f"task.behaviour must be sampler or scorer, got {behaviour!r}")
+        self.behaviour = behaviour
+        if not spec.differs:
+            self.engine = None
+            return
+        if self.sampling.truncates and behaviour == "sampler":
+            raise ValueError(engine_truncation(spec.describe(), self.sampling.describe()))
+        self.engine = self._engine(spec)
+
+    def _engine(self, spec):
+        raise NotImplementedError
+
+    def sync_engine(self) -> None:
+        """At a training step's rollout: the engine takes the weights of task.sampler.lag steps ago."""
+        if self.engine is not None:
+            self.engine.sync()
+
+    def has_behaviour(self, ro: Rollout) -> bool:
+        """Whether a batch of ro has a behaviour policy other than the one it scores: ro was drawn by an engine
+        that is not the trainer, or from the tempered pi_s at task.kl_target=model."""
+        return ro.by_engine or (self.kl_target == "model" and not self.sampling.is_plain)
+
+    def behaviour_logp(self, ro: Rollout) -> torch.Tensor | None:
+        """[B, T] the log-probs the KL batch carries as old_logp from the rollout (task.behaviour=sampler: the
+        engine's own), or None: no behaviour policy, or task.behaviour=scorer (the trainer's recomputation)."""
+        if self.behaviour != "sampler" or not self.has_behaviour(ro):
+            return None
+        if ro.sampled_logp is None:
+            raise ValueError("task.behaviour=sampler: this rollout kept no log-probs of its own (its sampler returns "
+                             "none), so the batch has no behaviour policy to carry; use a sampler that keeps them "
+                             "or task.behaviour=scorer")
+        return ro.sampled_logp
 
     def score(self, ro: Rollout, micro_batch_size: int | None = None, with_token_kl: bool = True,
               logits: bool = False) -> KLBatch:

@@ -55,8 +55,12 @@ class LMPolicy(Policy):
         self.checkpointing = checkpointing_layers_on(self.model) > 0
         return self
 
+    def _engine(self, spec):
+        from klbench.models.sampler_engine import Engine
+        return Engine(spec, {n: p for n, p in self.model.named_parameters() if p.requires_grad}, self.model)
+
     @torch.no_grad()
-    def rollout(self, prompts: list[str], n: int) -> Rollout:
+    def rollout(self, prompts: list[str], n: int, engine: bool = False) -> Rollout:
         enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=self.add_special_tokens)
         enc = enc.to(self.device)
         if self.context and enc.input_ids.shape[1] + self.max_new_tokens > self.context[1]:
@@ -67,14 +71,16 @@ class LMPolicy(Policy):
                                        self.max_new_tokens, self.context))
         ids = enc.input_ids.repeat_interleave(n, 0)  # [B*n, P]
         attn = enc.attention_mask.repeat_interleave(n, 0)  # [B*n, P]
-        s = self.sampler(self.model, ids, attn, self.max_new_tokens, self.eos_ids, self.tok.pad_token_id,
+        by_engine = engine and self.engine is not None  # task.sampler: an engine that is not the trainer draws
+        model = self.engine.to(self.device).model if by_engine else self.model
+        s = self.sampler(model, ids, attn, self.max_new_tokens, self.eos_ids, self.tok.pad_token_id,
                          sampling=self.sampling)
         resp = s.tokens  # [B*n, L]
         mask = response_mask(resp, self.eos_ids)
         texts = self.tok.batch_decode(torch.where(mask, resp, self.tok.pad_token_id), skip_special_tokens=True)
         group = torch.arange(len(prompts), device=ids.device).repeat_interleave(n)
         return Rollout(torch.cat([ids, resp], 1), torch.cat([attn, mask.long()], 1), ids.shape[1], mask, group, texts,
-                       [p for p in prompts for _ in range(n)], sampled_logp=s.logp)
+                       [p for p in prompts for _ in range(n)], sampled_logp=s.logp, by_engine=by_engine)
 
     def _logits(self, model, ro: Rollout, pos: torch.Tensor, mask=None) -> torch.Tensor:
         """[B, L, V] next-token logits at the response positions (P - 1 ... P + L - 2): the logits path."""

@@ -17,7 +17,7 @@ from klbench.models.scoring import ScoredBatch
 from klbench.models.tabular_policy import TabularPolicy, tabular_policy
 
 __all__ = ["LMPolicy", "Policy", "Rollout", "ScoredBatch", "TabularPolicy", "build_policy", "has_distributions",
-           "response_mask", "sampling_params", "sampling_text", "task_sampling", "token_entropy"]
+           "response_mask", "engine_text", "sampling_params", "sampling_text", "task_sampling", "token_entropy"]
 
 
 def task_sampling(task) -> tuple[Sampling, str]:
@@ -33,7 +33,19 @@ def sampling_text(policy) -> str:
 def sampling_params(policy) -> dict[str, str]:
     """MLflow params of the sampling a run used (task.* are params already; with model.generation_config=follow
     the folder's values replace them) and the KL it targets."""
-    return {"sampling.used": policy.sampling.describe(), "sampling.kl_target": KL_TARGETS[policy.kl_target]}
+    out = {"sampling.used": policy.sampling.describe(), "sampling.kl_target": KL_TARGETS[policy.kl_target]}
+    if policy.engine is not None:  # task.sampler: the rollouts' engine, and the behaviour policy its batches carry
+        out.update({"sampling.engine": policy.engine.spec.describe(), "sampling.behaviour": policy.behaviour})
+    return out
+
+
+def engine_text(policy) -> str:
+    """The line that says what draws a training step's rollouts and which log-probs its batches carry as the
+    behaviour policy (task.sampler, task.behaviour): printed at start-up where the engine is not the trainer."""
+    which = ("the engine's own log-probs (task.behaviour=sampler)" if policy.behaviour == "sampler" else
+             "the trainer's recomputation (task.behaviour=scorer: the mismatch is invisible to the KL estimator)")
+    return (f"rollouts: {policy.engine.spec.describe()}; the KL batch's behaviour policy: {which}; "
+            "train/mismatch_* measures the gap (docs/mismatch.md)")
 
 
 def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teacher=None, sampling: Sampling = PLAIN,

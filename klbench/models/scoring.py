@@ -133,7 +133,7 @@ class Scoring:
         """Every row's detached scores for what a loss reads across sequences: the sampler's own log-probs where
         they are the batch's log-probs (and log pi_s), otherwise one pass without gradient."""
         ro = self.ro
-        if self.from_hidden and ro.sampled_logp is not None:
+        if self.from_hidden and ro.sampled_logp is not None and not ro.by_engine:  # an engine's are not the trainer's
             logp = torch.where(ro.mask, ro.sampled_logp.float(), 0.0)
             return ScoredBatch(logp, self.ref.logp, ro.mask, group=ro.group)
         with torch.no_grad(), self._heads():
@@ -159,7 +159,9 @@ class Scoring:
         s = head_scores(h[mask], head, tok, self.ref.hidden[i:j][mask], ref_head, with_token_kl=self.with_token_kl,
                         ref_norm=tuple(x[i:j][mask] for x in self.ref.norm))
         kappa = None if s.kappa is None else _scatter(mask, s.kappa)
-        return ScoredBatch(_scatter(mask, s.logp), self.ref.logp[i:j], mask, group=sub.group, token_kl=kappa,
+        logp, old = _scatter(mask, s.logp), self.policy.behaviour_logp(sub)  # task.behaviour: an engine's log-probs
+        old = None if old is None else torch.where(mask, old.to(logp.dtype), logp.detach())
+        return ScoredBatch(logp, self.ref.logp[i:j], mask, group=sub.group, token_kl=kappa, old_logp=old,
                            entropy=_scatter(mask, s.entropy).detach())
 
     def _logits_part(self, sub) -> ScoredBatch:
@@ -172,7 +174,8 @@ class Scoring:
         resp = sub.tokens[:, sub.prompt_len:]
         # the reference's logits are this part's alone: rb's backward writes its gradient into them (donate_ref)
         b = target_batch(logits, ref_logits, resp, sub.mask, policy.sampling, policy.kl_target, group=sub.group,
-                         behaviour_logp=sub.sampled_logp, with_token_kl=self.with_token_kl, donate_ref=True)
+                         behaviour_logp=policy.behaviour_logp(sub), with_token_kl=self.with_token_kl,
+                         donate_ref=True)
         slogp = policy.scored_sampler_logp(sub, b)
         whole = len(self.cuts) == 1  # one part keeps its logits: estimators that read them (top-k) can
         ent = None if whole else exact_token_entropy(b.logits.detach(), b.mask, b.chunk_rows)

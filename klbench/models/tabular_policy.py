@@ -39,16 +39,40 @@ class TabularPolicy(Policy):
         one pair (pi, pi_ref) and the plain path is kept bit for bit."""
         return None if self.sampling.is_plain else self.sampling
 
+    def _engine(self, spec):
+        if spec.attn_implementation != "same":
+            raise ValueError(f"task.sampler.attn_implementation={spec.attn_implementation}: model=tabular is a table "
+                             "of logits, with no attention; use a language model or attn_implementation=same")
+        from klbench.models.sampler_engine import Engine
+        return Engine(spec, {"theta": self.theta})
+
     @torch.no_grad()
-    def rollout(self, prompts: list[str], n: int) -> Rollout:
-        probs = self.table.sample_probs(self.theta, sampling=self._sampled)  # [N], under pi_s
+    def rollout(self, prompts: list[str], n: int, engine: bool = False) -> Rollout:
+        by_engine = engine and self.engine is not None  # task.sampler: the engine's table draws
+        theta = self.engine.table() if by_engine else self.theta
+        probs = self.table.sample_probs(theta, sampling=self._sampled)  # [N], under pi_s (the engine's)
         ids = torch.multinomial(probs, len(prompts) * n, replacement=True)  # [B*n]
+        return self.rollout_of(ids, [p for p in prompts for _ in range(n)], n, by_engine)
+
+    @torch.no_grad()
+    def rollout_of(self, ids: torch.Tensor, prompts: list[str], n: int, by_engine: bool = False) -> Rollout:
+        """The Rollout of sequences `ids` [B] as drawn, n per prompt (prompts: one per sequence). Where the batch
+        has a behaviour policy (an engine's rollout; kl_target=model off plain sampling) the sampler keeps its own
+        log-probs of its tokens (Rollout.sampled_logp), as an LM's does. The exact tests enumerate every sequence."""
         tokens = self.table.tokens[ids]
         mask = self.table.mask[ids]
         # lists first: iterating tensors element by element costs more than the whole training step
         texts = [" ".join(str(v) for v, m in zip(row, keep) if m) for row, keep in zip(tokens.tolist(), mask.tolist())]
-        group = torch.arange(len(prompts)).repeat_interleave(n)
-        return Rollout(tokens, mask.long(), 0, mask, group, texts, [p for p in prompts for _ in range(n)], ids)
+        group = torch.arange(len(prompts) // n).repeat_interleave(n)
+        sampled = None
+        if by_engine or (self.kl_target == "model" and self._sampled is not None):
+            table = self.engine.table() if by_engine else self.theta.detach()  # [P, K]
+            if self._sampled is not None:
+                table = self._sampled.process(table)
+            logp = torch.log_softmax(table, -1)[self.table.seq_prefix[ids]].gather(-1, tokens[..., None])[..., 0]
+            sampled = torch.where(mask, logp, torch.zeros((), dtype=logp.dtype))  # [B, T] log pi_s of the engine
+        return Rollout(tokens, mask.long(), 0, mask, group, texts, prompts, ids,
+                       sampled_logp=sampled, by_engine=by_engine)
 
     def score(self, ro: Rollout, micro_batch_size: int | None = None, with_token_kl: bool = True,
               logits: bool = False) -> KLBatch:
@@ -60,6 +84,9 @@ class TabularPolicy(Policy):
         # chunking (2^20 / K rows) would fall back to a Python loop over sequences past 2^18 rows at K = 4
         # (what that cost: docs/estimators.md, "Small vocabularies")
         batch.chunk_rows = max(1, batch.mask.numel())
+        behaviour = self.behaviour_logp(ro)  # task.behaviour=sampler on an engine's rollout: its own log-probs
+        if behaviour is not None:
+            batch.old_logp = torch.where(batch.mask, behaviour.to(batch.logp.dtype), batch.logp.detach())
         return batch
 
     def trainable(self) -> list[nn.Parameter]:

@@ -31,7 +31,10 @@ BEFORE = {"kl_ctl": {"name": "fixed"}, "task.inner_steps": 1, "task.clip_eps": 0
           "task.temperature": 1.0, "task.top_k": 0, "task.top_p": 1.0, "task.kl_target": "sampler",
           "model.generation_config": "klbench", "teacher.generation_config": "klbench",
           # issue 46: dataset=arith's config gained the chat keys every dataset declares (false and null)
-          "dataset.chat_template": False}
+          "dataset.chat_template": False,
+          # issue 53: the sampler was the trainer's own model; a behaviour policy carried the sampler's log-probs
+          "task.sampler": {"precision": "same", "attn_implementation": "same", "lag": 0},
+          "task.behaviour": "sampler"}
 
 
 # task keys that only add measurements (klbench.probe.measure at validations, on its own RNG stream): they never
@@ -197,7 +200,9 @@ def check_weights(module, path: str, payload: dict, cfg: DictConfig, fingerprint
     from zero without a word, and a reshaped one ends in torch's size-mismatch traceback after the run was
     reopened."""
     import torch
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("state_dict") or {}
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    check_sampler_queue(ckpt, path, payload, cfg)
+    state = ckpt.get("state_dict") or {}
     mine = module.state_dict()  # what the task checkpoints: trained parameters and buffers, frozen ones left out
     trained = [n for n, p in module.named_parameters() if p.requires_grad]
     changed = "; ".join(c for c in config_changes(payload["config"], cfg) if c.startswith(("model", "teacher")))
@@ -222,3 +227,21 @@ def check_weights(module, path: str, payload: dict, cfg: DictConfig, fingerprint
                           f"teacher) than those loaded now: {where} (or the reference's folder) changed since the "
                           "checkpoint was made. Put back the weights it was trained on, start a new run without "
                           "ckpt_path, or accept the change with ckpt_allow_changes=[model]")
+
+
+def check_sampler_queue(ckpt: dict, path: str, payload: dict, cfg: DictConfig) -> None:
+    """task.sampler.lag = k: the checkpoint carries the weights the next k steps' rollouts are drawn by (RLTask's
+    `sampler_engine`), and was made at the same lag; a changed lag is refused even where ckpt_allow_changes lists
+    it, since the queue it holds was drawn for the other lag."""
+    lag = int(OmegaConf.select(cfg, "task.sampler.lag", default=0) or 0)
+    saved = (payload["config"].get("task") or {}).get("sampler") or BEFORE["task.sampler"]
+    if int(saved.get("lag", 0)) != lag:
+        raise ResumeError(f"task.sampler.lag={lag}: {path} was made at task.sampler.lag={saved.get('lag', 0)}, and "
+                          "its next steps' rollouts would be drawn by weights of another age than the run's; resume "
+                          f"at task.sampler.lag={saved.get('lag', 0)}, or start a new run without ckpt_path")
+    step = int(payload.get("step") or 0)
+    queue = (ckpt.get("sampler_engine") or {}).get("queue") or []
+    if lag and len(queue) < min(lag, step):
+        raise ResumeError(f"task.sampler.lag={lag}: {path} holds the rollout engine's weights of {len(queue)} of the "
+                          f"{min(lag, step)} steps before step {step}, so the next rollouts have no weights to be "
+                          "drawn by; resume from a checkpoint this run wrote, or start a new run without ckpt_path")

@@ -67,6 +67,12 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         # the KL fused into the reward before the advantage (in_reward kl_norm=before): no separate KL term
         self.kl_in_reward_adv = getattr(self.estimator, "options", {}).get("kl_norm") == "before"
         self.values = {label: value_estimator(name, **o) for label, (name, o) in REPORTED_VALUES.items()}
+        from klbench.models.sampler_engine import engine_spec
+        # task.sampler: the rollout engine, where it is not the trainer, and task.behaviour (docs/mismatch.md)
+        policy.set_engine(engine_spec(task_cfg), str(task_cfg.get("behaviour", "sampler")))
+        if policy.engine is not None:
+            from klbench.models.policies import engine_text
+            print("klbench: " + engine_text(policy))
         line = getattr(policy, "scoring_line", None)  # a language model says how it scores, once
         if line is not None:
             reads = getattr(self.estimator, "reads_logits", False)
@@ -101,7 +107,8 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
     def step_rollout(self, prompts: list[str], step: int, i: int) -> tuple[Rollout, torch.Tensor]:
         """(the rollout, its rewards [B]) of a step: drawn now at a rollout's first step, else the cached one."""
         if i == 0:
-            ro = self.policy.rollout(prompts, self.cfg["n_samples"])
+            self.policy.sync_engine()  # task.sampler.lag: the engine takes the weights of lag steps ago
+            ro = self.policy.rollout(prompts, self.cfg["n_samples"], engine=True)
             return ro, self.rewards(ro)
         if self.cached_rollout is None:
             raise RuntimeError(f"step {step} is step {i} of a rollout, but no rollout is cached: a checkpoint off a "
@@ -231,6 +238,9 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         from klbench.tasks.sharding import save_rank_rng
         save_rank_rng(checkpoint, {"torch": torch.get_rng_state(), "python": random.getstate()})
         checkpoint["kl_ctl"] = self.kl_ctl.state_dict()  # the adapted beta: a resume continues it
+        if self.policy.engine is not None and self.policy.engine.spec.lag:
+            # task.sampler.lag: the weights the next steps' rollouts are drawn by (klbench.record.resume checks them)
+            checkpoint["sampler_engine"] = self.policy.engine.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         from klbench.tasks.sharding import rank_rng
@@ -239,3 +249,5 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
             random.setstate(rng["python"])
         if "kl_ctl" in checkpoint:  # absent from checkpoints made before kl_ctl existed: beta was fixed
             self.kl_ctl.load_state_dict(checkpoint["kl_ctl"])
+        if "sampler_engine" in checkpoint and self.policy.engine is not None:  # refused before when missing
+            self.policy.engine.load_state_dict(checkpoint["sampler_engine"])
