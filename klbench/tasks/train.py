@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.environments import LSFEnvironment, SLURMEnvironm
 from klbench.console import messages as console, progress
 
 from klbench.record import folder_run, resume, tracking
+from klbench.tasks.rank_hosts import RankHosts
 from klbench.record.lifecycle import recorded_run
 from klbench.models.policies import build_policy, sampling_params, sampling_text, task_sampling
 from klbench.rewards.reward import build_reward
@@ -137,7 +138,8 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
         parallel = trainer_arguments(hw)
     return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, **parallel,
                       num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
-                      check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt, *bar, *progress.lines()], enable_checkpointing=False,
+                      check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt, *bar, *progress.lines(), RankHosts()],
+                      enable_checkpointing=False,
                       enable_progress_bar=bool(bar),
                       gradient_clip_val=cfg.task.grad_clip, log_every_n_steps=1,
                       num_sanity_val_steps=0, enable_model_summary=False, deterministic=False)

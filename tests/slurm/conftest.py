@@ -35,3 +35,29 @@ def slurm_cluster():
             os.environ[k] = v
     if started and not os.environ.get("KLBENCH_SLURM_KEEP"):
         cluster.stop()
+
+
+_spec2 = importlib.util.spec_from_file_location("klbench_tests_slurm_two_nodes", Path(__file__).with_name("two_nodes.py"))
+two_nodes_cluster = importlib.util.module_from_spec(_spec2)
+_spec2.loader.exec_module(two_nodes_cluster)
+
+
+@pytest.fixture(scope="session")
+def _two_nodes_started(slurm_cluster):
+    """The two-node cluster of two_nodes.py (its munge and slurmdbd are slurm_cluster's), for the session."""
+    why = two_nodes_cluster.missing()
+    if why:
+        pytest.skip(f"two-node cluster: {why}")
+    started = two_nodes_cluster.start()
+    yield two_nodes_cluster
+    if started and not os.environ.get("KLBENCH_SLURM_KEEP"):
+        two_nodes_cluster.stop()  # its namespaces and bridge too
+
+
+@pytest.fixture
+def two_nodes(_two_nodes_started, monkeypatch):
+    """The two_nodes module, with SLURM_CONF naming the two-node cluster for this test (the session's other SLURM
+    tests keep the single-node cluster's)."""
+    for k, v in _two_nodes_started.env().items():
+        monkeypatch.setenv(k, v)
+    return _two_nodes_started
