@@ -13,6 +13,9 @@ and the run's state; the base is the model folder the config names, loaded again
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 from torch import nn
 
 from klbench.config.errors import ConfigError
@@ -31,12 +34,30 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, bias="none",
                              target_modules=list(target_modules) if target_modules else None)
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with peft_deprecations_quiet():
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as e:  # peft: no default modules for this architecture, or names that match nothing
         raise ConfigError(f"model.lora.target_modules={target_modules}: peft cannot wrap "
                           f"{type(model).__name__} ({str(e).splitlines()[0]}); its linear modules are named "
                           f"{linear_module_names(model)}") from None
     return wrapped
+
+
+# what peft 0.x asks of transformers 5 that transformers calls deprecated: peft's call, no setting of the user's
+# changes it, and it printed in every LoRA run and export (issue 51)
+PEFT_DEPRECATIONS = ((FutureWarning, r"`is_gradient_checkpointing` is deprecated"),)
+
+
+@contextlib.contextmanager
+def peft_deprecations_quiet():
+    """PEFT_DEPRECATIONS silenced for the calls into peft inside the block only (a FutureWarning anywhere else
+    still shows); KLBENCH_VERBOSE=1 shows them too."""
+    from klbench.console.messages import verbose
+    with warnings.catch_warnings():
+        if not verbose():
+            for category, message in PEFT_DEPRECATIONS:
+                warnings.filterwarnings("ignore", message=message, category=category)
+        yield
 
 
 def lora_summary(model) -> dict[str, object]:

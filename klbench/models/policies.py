@@ -49,7 +49,7 @@ def engine_text(policy) -> str:
 
 
 def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teacher=None, sampling: Sampling = PLAIN,
-                 kl_target: str = "sampler") -> Policy:
+                 kl_target: str = "sampler", notices: bool = True) -> Policy:
     """The `model` group: tabular, the embedded GPT-2 (built once into the per-user cache), or any HF causal LM.
 
     cache_root: the embedded models' cache (paths.cache; None: klbench.models.embedded.cache_dir()).
@@ -58,6 +58,7 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     sampling, kl_target: how the policy samples and which KL it scores (task_sampling(cfg.task)). A language
     model's generation_config adds its stop ids (every one ends a response) and, with
     model.generation_config=follow, its sampling options replace `sampling` (one line says which are used).
+    notices=False: without that line, for a caller that does not run (klbench-export says what it writes).
     """
     if teacher is not None:
         check_kinds(cfg.kind, teacher.kind)
@@ -91,7 +92,7 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
             raise ConfigError(context_refusal(max_new_tokens, name, f"{where}'s {context[0]}", context[1]))
     stops, options = models.generation_defaults(model)
     eos_ids = list(dict.fromkeys(i for i in (tok.eos_token_id, *stops) if i is not None))  # the tokenizer's first
-    sampling = _generation_sampling(cfg, path, options, sampling)
+    sampling = _generation_sampling(cfg, path, options, sampling, notices)
     _warn_target(sampling, kl_target)
     return LMPolicy(model, ref, tok, max_new_tokens, sampling=sampling, kl_target=kl_target, eos_ids=eos_ids)
 
@@ -102,19 +103,19 @@ def _warn_target(sampling: Sampling, kl_target: str) -> None:
         print(f"klbench: warning: {warning}")
 
 
-def _generation_sampling(cfg, path: str, options: dict, sampling: Sampling) -> Sampling:
+def _generation_sampling(cfg, path: str, options: dict, sampling: Sampling, notices: bool = True) -> Sampling:
     """The sampling a language model runs with, given the temperature/top_k/top_p its generation_config sets
     (`options`): klbench's (`sampling`, from task.*), saying so where the folder sets others, or the folder's
     with model.generation_config=follow. Unset options are generate()'s plain values (1, 0, 1)."""
     follow = cfg.kind == "hf" and cfg.generation_config == "follow"
     if not options:
-        if follow:
+        if follow and notices:
             print(f"klbench: model.generation_config=follow: {path}'s generation_config sets no temperature, top_k "
                   f"or top_p; sampling with task.*'s {sampling.describe()}")
         return sampling
     theirs = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in options.items())
     if not follow:
-        if any(getattr(sampling, k) != v for k, v in options.items()):
+        if notices and any(getattr(sampling, k) != v for k, v in options.items()):
             print(f"klbench: {path}'s generation_config sets {theirs}; this run samples with klbench's "
                   f"task.* options ({sampling.describe()}): model.generation_config=follow uses the folder's")
         return sampling
@@ -124,8 +125,9 @@ def _generation_sampling(cfg, path: str, options: dict, sampling: Sampling) -> S
     except ValueError as e:
         raise ConfigError(f"model.generation_config=follow: {path}'s generation_config sets {theirs}, which "
                           f"klbench cannot train with ({e}); use model.generation_config=klbench") from None
-    print(f"klbench: model.generation_config=follow: sampling with {path}'s generation_config ({used.describe()}) "
-          f"instead of task.*'s ({sampling.describe()})")
+    if notices:
+        print(f"klbench: model.generation_config=follow: sampling with {path}'s generation_config "
+              f"({used.describe()}) instead of task.*'s ({sampling.describe()})")
     return used
 
 

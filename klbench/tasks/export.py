@@ -89,7 +89,7 @@ def load_policy(cfg, ckpt: Path):
     from klbench.models.policies import build_policy, task_sampling
     from klbench.record import resume
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.get("cache"), cfg.get("teacher"),
-                          *task_sampling(cfg.task))
+                          *task_sampling(cfg.task), notices=False)  # the run's start-up notice: not the export's
     return policy, resume.load_policy_weights(policy, str(ckpt), cfg)
 
 
