@@ -117,6 +117,66 @@ def test_pg_candidates_tell_the_three_corrections_apart():
     assert audit_mismatch(_none, None, "pg").match == "pg"  # no mismatch: all three coincide
 
 
+# ---- the verdict's proportional match, and the two candidates that name the libraries' terms ----
+
+def test_a_proportional_verdict_needs_a_small_scaled_relative_error_not_a_cosine():
+    """A cosine within 1e-5 of 1 admits a relative error of 4.5e-3 (1 - cos ~ err^2 / 2): that must read none."""
+    from klbench.exact.tabular.gradient_audit import AuditRow, _verdict, stats
+    g = torch.tensor([1.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    perp = torch.tensor([2.0, -1.0, 0.0, 0.0], dtype=torch.float64)  # perp @ g = 0
+    truth = torch.ones(4, dtype=torch.float64)
+
+    def verdict(mean):
+        per = {"c": [stats(mean, g, truth)], "zero": [stats(mean, torch.zeros(4, dtype=torch.float64), truth)]}
+        rows = [AuditRow(k, v[0][0], v[0][1], v[0][2]) for k, v in per.items()]
+        return _verdict(rows, per, 1e-5), per["c"][0]
+
+    off, st = verdict(g + 4.4e-3 * g.norm() / perp.norm() * perp)
+    assert abs(st[0] - 1) < 1e-5 and st[3] == pytest.approx(4.4e-3, rel=1e-9)
+    assert off == "none of the above"
+    assert verdict(0.5 * g)[0] == "0.5 x c"
+    assert verdict(0.5 * g + 1e-8 * perp)[0] == "0.5 x c"
+
+
+def _engine_k1_in_reward_seq_is(batch):
+    """The engine's k1 charged in the reward, through REINFORCE with the exact sequence weight pi(y) / pi_s(y)."""
+    m = batch.mask
+    c = torch.where(m, batch.old_logp - batch.ref_logp, 0).sum(-1).detach()  # [B] the engine's k1, a cost
+    w = torch.exp(torch.where(m, batch.logp - batch.old_logp, 0).sum(-1)).detach()  # [B]
+    return w * c * batch.masked_logp.sum(-1)
+
+
+def _k2_in_the_loss(batch):
+    return torch.where(batch.mask, 0.5 * (batch.logp - batch.ref_logp) ** 2, 0).sum(-1)
+
+
+@pytest.mark.parametrize("label", SUPPORT_KEEPING)
+def test_engine_logprobs_in_the_reward_follow_kl_pi_ref_minus_kl_pi_s_exactly(label):
+    r = audit_mismatch(_engine_k1_in_reward_seq_is, AXIS[label])
+    assert r.match == "kl_pi_ref_minus_kl_pi_s", label
+    assert distance(r, "kl_pi_ref_minus_kl_pi_s") < 1e-12 and distance(r, "kl_pi_ref") > 1e-4
+
+
+def test_kl_pi_ref_minus_kl_pi_s_raises_the_trainers_kl_from_its_sampler():
+    """Descending the candidate's gradient moves pi away from pi_s (its -grad KL(pi || pi_s) part), by enumeration."""
+    from klbench.exact.mismatch import sampler_kl_gradients
+    model, theta = default_instances()[0]
+    sampler = AXIS["noise 0.1"].sampler_table(model, theta)
+    g = sampler_kl_gradients(model, theta, sampler)["kl_pi_ref_minus_kl_pi_s"]
+    x = theta.detach().clone().requires_grad_()
+    g_s = torch.autograd.grad(model.pair_kl(x, sampler), x)[0]  # grad KL(pi || pi_s), pi_s fixed
+    assert float((-g * g_s).sum()) < 0  # the step -g has a negative inner product with -grad: KL(pi || pi_s) rises
+    assert sampler_kl_gradients(model, theta, torch.full_like(sampler, -float("inf")).masked_fill(
+        torch.arange(model.K) == 0, 0.0)).keys() == {"k2@old"}  # a cut sampler: KL(pi || pi_s) is infinite
+
+
+@pytest.mark.parametrize("label", list(AXIS))
+def test_k2_in_the_loss_follows_k2_on_the_samplers_samples(label):
+    r = audit_mismatch(_k2_in_the_loss, AXIS[label])
+    assert r.match == "k2@old" and distance(r, "k2@old") < 1e-12, label
+    assert audit_mismatch(_k2_in_the_loss, None).match == "partial_kl_pi_ref"  # at pi_s = pi: the prefix-fixed one
+
+
 # ---- klbench's own estimators ----
 
 @pytest.mark.parametrize("label", SUPPORT_KEEPING)
@@ -160,7 +220,7 @@ def test_verl_bypass_charges_the_sampler_in_the_reward_kl_while_its_pg_is_exact(
     m = AXIS["noise 0.1"]
     assert audit_mismatch(s.terms["pg"], m, "pg", tol=1e-5).match == "pg"
     kl = audit_mismatch(s.terms["kl_reward"], m, tol=1e-5)
-    assert kl.match == "none of the above" and distance(kl, "kl_pi_ref") > 1e-3
+    assert kl.match == "kl_pi_ref_minus_kl_pi_s" and distance(kl, "kl_pi_ref") > 1e-3
 
 
 @pytest.mark.slow
@@ -169,7 +229,7 @@ def test_trl_vllm_ratio_leaves_the_kl_term_uncorrected():
     m = AXIS["noise 0.1"]
     assert audit_mismatch(s.terms["pg"], m, "pg", tol=1e-5).match == "pg"
     kl = audit_mismatch(s.terms["kl_loss"], m, tol=1e-5)
-    assert kl.match == "none of the above"
+    assert kl.match == "k2@old"  # k2 on pi_s's samples, pi_s fixed: not a KL
     assert audit_mismatch(s.terms["kl_loss"], None, tol=1e-5).match == "partial_kl_pi_ref"
 
 
@@ -193,8 +253,27 @@ def test_every_library_setting_runs_on_the_axis_and_none_corrects_a_kl_in_the_lo
     rows, missing = mr.run(columns=["none", "noise 0.1"])
     assert rows and not any(v.startswith("raised") for r in rows for v in r.verdicts.values())
     for r in rows:
-        if r.term == "kl_loss":
-            assert r.verdicts["noise 0.1"].startswith("none of the above"), r.setting
+        if r.term == "kl_loss":  # no weight for the mismatch: k2 on pi_s's samples, not a KL
+            assert r.verdicts["noise 0.1"].startswith("k2@old"), r.setting
         if r.term == "pg":
             assert r.verdicts["none"] == "pg", r.setting  # every correction is the identity without mismatch
     assert any("skyrl_train" in m for m in missing)
+
+
+def test_trl_token_corrections_at_a_one_sided_temperature_read_none_not_1_x():
+    """Issue 53: TRL's token_truncate / token_mask PG terms at sampler T 0.8 are 1.35e-5 / 1.48e-4 off token_is_pg
+    (a weight above the cap 3.0 fires): the old cosine test printed "1 x token_is_pg"."""
+    for mode in ("token_truncate", "token_mask"):
+        s = _setting("trl", f"trl.grpo.vllm_is.{mode}")
+        r = audit_mismatch(s.terms["pg"], AXIS["sampler T 0.8"], "pg", tol=1e-5)
+        assert r.match == "none of the above", (mode, r.match)
+        assert 1e-5 < distance(r, "token_is_pg") < 1e-3 and distance(r, "pg") > 0.1
+
+
+def test_library_kl_terms_are_named_under_a_mismatch():
+    """verl's bypass mode charges the engine's k1 in the reward: kl_pi_ref_minus_kl_pi_s where its sequence weight
+    stays under the cap; its KL in the loss (low_var_kl+) is k2 on pi_s's samples."""
+    s = _setting("verl", "verl.rollout_corr.bypass_pg_is")
+    for label in ("noise 0.1", "2 steps stale"):
+        assert audit_mismatch(s.terms["kl_reward"], AXIS[label], tol=1e-5).match == "kl_pi_ref_minus_kl_pi_s", label
+    assert audit_mismatch(s.terms["kl_loss"], AXIS["noise 0.1"], tol=1e-5).match == "k2@old"

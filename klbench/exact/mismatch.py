@@ -7,7 +7,9 @@ recomputation of the rollout policy is `logp.detach()` (same weights, the traine
 
 Two terms of a loss are audited separately, each against its own exact candidates:
   KL term: tabular's candidates with pi_s as the behaviour table (kl_pi_ref, kl_ref_pi, the partials, and
-           "@old" = the partials with prefixes drawn from pi_s).
+           "@old" = the partials with prefixes drawn from pi_s), and the two that name what the libraries' terms
+           follow under a mismatch (sampler_kl_gradients): kl_pi_ref_minus_kl_pi_s (the engine's log-probs
+           charged in the reward) and k2@old (k2 on pi_s's samples: a KL in the loss with no mismatch weight).
   PG term: the loss is called as loss(batch, reward [B]) with the reward table's R(y) and minimised, so minus its
            expected gradient is compared with the candidates
            pg = grad E_pi[R] (what a full correction gives), token_is_pg = E_{pi_s}[sum_t w_t R grad log pi_t]
@@ -24,7 +26,7 @@ import torch
 from klbench.estimators.sampling import Sampling
 from klbench.exact.tabular import (DTYPE, AuditReport, AuditRow, TabularModel, TabularReward, behaviour_tables,
                                    default_instances)
-from klbench.exact.tabular.gradient_audit import _verdict
+from klbench.exact.tabular.gradient_audit import _verdict, stats
 
 KINDS = {
     "noise": "sampler logits = theta + size * N(0, 1) (kernel and rounding noise; 2^-8 is bf16's half-ulp at |x| = 1)",
@@ -126,6 +128,46 @@ def pg_gradients(model: TabularModel, theta: torch.Tensor, sampler: torch.Tensor
     return out
 
 
+def sampler_kl_gradients(model: TabularModel, theta: torch.Tensor, sampler: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The two exact KL-term candidates [P, K] that name what the libraries' terms do under a mismatch, pi_s (the
+    sampler table [P, K]) held fixed:
+
+      kl_pi_ref_minus_kl_pi_s = grad KL(pi || pi_ref) - grad KL(pi || pi_s): the engine's log-probs charged in the
+          reward, c(y) = sum_t log pi_s(y_t) - log pi_ref(y_t), through a PG loss with the exact sequence weight
+          pi(y) / pi_s(y): E_{pi_s}[w c grad log pi(y)] = E_pi[c grad log pi(y)] = grad E_pi[c] with c fixed
+          = grad KL(pi || pi_ref) - grad KL(pi || pi_s) (E_pi[grad log pi] = 0). Descending it raises
+          KL(pi || pi_s): the trainer is pushed away from its own sampler. Left out where pi_s cuts support
+          (KL(pi || pi_s) is infinite there).
+      k2@old = grad E_{pi_s}[sum_t (1/2)(log pi(y_t) - log pi_ref(y_t))^2]: k2 on pi_s's samples, what a KL in the
+          loss whose gradient is (log pi - log pi_ref) grad log pi per token follows (TRL's k3 with its bias
+          correction, verl's low_var_kl+), with no weight for the mismatch. Not a KL: at pi_s = pi it is the
+          prefix-fixed partial_kl_pi_ref, otherwise neither pi_s's prefixes nor its tokens are corrected.
+    """
+    sampler = sampler.detach().to(DTYPE)
+    ps_seq = model.seq_prob(sampler)  # [N] exact zeros through cut tokens
+    live = ps_seq > 0
+    tok = model.tokens.unsqueeze(-1)
+
+    def token_logp(table):  # [N, T] log pi(y_t | y_<t), 0 on padding
+        lp = torch.log_softmax(table, -1)[model.seq_prefix].gather(-1, tok).squeeze(-1)
+        return torch.where(model.mask, lp, torch.zeros((), dtype=lp.dtype))
+
+    ref = token_logp(model.ref_logits)  # [N, T]
+
+    def k2(t):
+        half_sq = 0.5 * (token_logp(t) - ref) ** 2  # [N, T]
+        return torch.where(live, ps_seq * half_sq.sum(-1), torch.zeros((), dtype=DTYPE)).sum()
+
+    fns = [("k2@old", k2)]
+    if bool(torch.isfinite(sampler).all()):
+        fns.insert(0, ("kl_pi_ref_minus_kl_pi_s", lambda t: model.kl_pi_ref(t) - model.pair_kl(t, sampler)))
+    out = {}
+    for name, fn in fns:
+        x = theta.detach().clone().requires_grad_()
+        out[name] = torch.autograd.grad(fn(x), x)[0]
+    return out
+
+
 def audit_mismatch(loss: Callable, mismatch: Mismatch | None, term: str = "kl", instances: list | None = None,
                    tol: float = 1e-6, n: int = 1) -> AuditReport:
     """Which exact gradient the expectation of `loss` follows with samples from pi_s = mismatch(theta), the batch
@@ -142,19 +184,12 @@ def audit_mismatch(loss: Callable, mismatch: Mismatch | None, term: str = "kl", 
         reward = TabularReward(model, seed=1).table if term == "pg" else None
         fn = loss if term == "kl" else (lambda b, r: -loss(b, r))  # a PG loss is minimised: -grad is the ascent
         means.append(model.gradient_moments(fn, theta, n=n, behaviour=old, reward=reward).mean.flatten())
-        ex = pg_gradients(model, theta, old, reward) if term == "pg" else model.exact_gradients(theta, behaviour=old)
+        ex = (pg_gradients(model, theta, old, reward) if term == "pg" else
+              {**model.exact_gradients(theta, behaviour=old), **sampler_kl_gradients(model, theta, old)})
         exacts.append({k: v.flatten() for k, v in ex.items()})
     candidates = [c for c in exacts[0] if c != "zero"] + ["zero"]
     norm_key = "pg" if term == "pg" else "kl_pi_ref"
-    per = {c: [] for c in candidates}
-    for mean, exact in zip(means, exacts):
-        for c in candidates:
-            g = exact[c]
-            if c == "zero":
-                per[c].append((float("nan"), float(mean.norm() / exact[norm_key].norm()), 0.0))
-                continue
-            per[c].append((float(mean @ g / (mean.norm() * g.norm() + 1e-300)), float((mean - g).norm() / g.norm()),
-                           float(mean @ g / (g @ g))))
+    per = {c: [stats(mean, exact[c], exact[norm_key]) for mean, exact in zip(means, exacts)] for c in candidates}
     rows = [AuditRow(c, sum(v[0] for v in vals) / len(vals), max(v[1] for v in vals),
                      sum(v[2] for v in vals) / len(vals)) for c, vals in per.items()]
     return AuditReport(rows, _verdict(rows, per, tol), off_policy=mismatch is not None,

@@ -119,7 +119,9 @@ def _mismatch(path: str) -> list[str]:
     start = time.perf_counter()
     rows, missing = mr.run()
     own = mr.own_rows()
-    Path(path).write_text(mr.markdown(rows, own, missing, time.perf_counter() - start))
+    page = mr.markdown(rows, own, missing, time.perf_counter() - start)
+    old = Path(path).read_text() if Path(path).exists() else ""
+    Path(path).write_text(mr.keep_written(page, old))
     print(f"wrote {path}")
     return mr.compact(rows)
 

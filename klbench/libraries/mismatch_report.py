@@ -95,13 +95,18 @@ def markdown(rows: list[Row], own: list[Row], missing: list[str], seconds: float
              "a vLLM rollout's do; the trainer's recomputation of the rollout policy is pi's, detached. Each",
              "library setting is its installed correction code (klbench/libraries/mismatch.py) and each term is",
              "audited on its own: the KL term against the audit's candidates (`@old`: prefixes drawn from pi_s),",
-             "the policy-gradient term (advantage R(y), the loss minimised) against `pg` = grad E_pi[R] (a full",
+             "and two that name what a term does where it follows no KL (pi_s held fixed, klbench/exact/mismatch.py",
+             "`sampler_kl_gradients`): `kl_pi_ref_minus_kl_pi_s` = grad KL(pi || pi_ref) - grad KL(pi || pi_s) (the",
+             "engine's log-probs charged in the reward, with an exact sequence weight) and `k2@old` = grad",
+             "E_{pi_s}[sum_t (1/2)(log pi - log pi_ref)^2] (k2 on pi_s's samples: not a KL); the policy-gradient",
+             "term (advantage R(y), the loss minimised) against `pg` = grad E_pi[R] (a full",
              "correction), `token_is_pg` (a per-token ratio: prefixes and continuations stay pi_s's) and",
              "`uncorrected_pg` (E_{pi_s}[R grad log pi]). \"(off x)\": the relative error against the truth",
-             "(grad KL(pi || pi_ref) for KL terms, `pg` for the PG term); none: no error. Tolerance "
-             f"{TOL:g}. Run time {seconds:.0f} s.", "", "The axis:", "", axis,
+             "(grad KL(pi || pi_ref) for KL terms, `pg` for the PG term); none: no error. A verdict",
+             "\"s x candidate\" needs the scaled relative error |E[g] - s g_c| / |s g_c| within the tolerance on every",
+             f"instance, with one s. Tolerance {TOL:g}. Run time {seconds:.0f} s.", "", "The axis:", "", axis,
              "- **none**: pi_s = pi, and the sampler's log-probs are still sent (they equal pi's).", "",
-             "## Library settings x mismatch", ""]
+             "## Library settings x mismatch", "", *ASSUMPTIONS, ""]
     lines += table(rows, COLUMNS)
     lines += ["", "Options of each setting, read from the installed code:", ""]
     lines += [f"- `{s}`: {n}" for s, n in notes]
@@ -115,6 +120,20 @@ def markdown(rows: list[Row], own: list[Row], missing: list[str], seconds: float
     return "\n".join(lines) + "\n"
 
 
+def keep_written(page: str, old: str) -> str:
+    """The generated page with the old page's hand-written "## " sections (a heading the generator does not write,
+    e.g. the runtime sections of task.sampler and task.behaviour) kept verbatim, in their order, before Commands."""
+    def sections(text: str) -> list[tuple[str, str]]:
+        parts = text.split("\n## ")
+        return [(p.split("\n", 1)[0], "## " + p) for p in parts[1:]]
+    made = {h for h, _ in sections(page)}
+    kept = [body.rstrip("\n") for h, body in sections(old) if h not in made]
+    if not kept:
+        return page
+    head, sep, tail = page.partition("\n## Commands")
+    return head.rstrip("\n") + "\n\n" + "\n\n".join(kept) + "\n" + sep + tail
+
+
 def compact(rows: list[Row]) -> list[str]:
     """The new columns of docs/libraries.md: each setting's KL and PG verdicts under each mismatch kind."""
     return ["", "## Under a training-inference mismatch", "",
@@ -122,6 +141,17 @@ def compact(rows: list[Row]) -> list[str]:
             "setup, the options and klbench's own estimators): the KL term's and the policy-gradient term's verdicts",
             "under each mismatch kind.", ""] + table(rows, COLUMNS)
 
+
+ASSUMPTIONS = [
+    "Two assumptions hold for every cell below, and the verdicts can change without them:",
+    "",
+    "- **The KL-in-reward cells use klbench's reward-to-go advantage**: the token's advantage is minus the k1 cost",
+    "  summed from that token to the end, with no critic, no group baseline and no whitening. A library's own",
+    "  advantage, such as GAE with a critic or GRPO's group mean and std, weights the cost differently.",
+    "- **Every decoupled verdict assumes one update per batch**: the trainer's recomputation of the rollout policy",
+    "  equals pi, detached. At num_iterations > 1 or ppo_epochs > 1 the proximal policy lags pi, and a PPO clip can",
+    "  fire.",
+]
 
 PROSE = """
 ## Reading the tables
@@ -133,14 +163,27 @@ PROSE = """
 - `sampler top-p 0.9` cuts support: no importance weight exists for the tokens pi_s never draws, so nothing reads `pg`
   or `kl_pi_ref` there (klbench refuses `task.kl_target=model` under truncation for this reason).
 - Every library's KL in the loss is computed on pi's own log-probs of pi_s's samples with no weight for the
-  mismatch, so it follows nothing as soon as pi_s != pi. A KL in the reward follows grad KL(pi || pi_ref) exactly
-  only where the PG loss's correction is a full sequence-level weight, its cap does not fire, and the charged
-  log-probs are the trainer's: verl's decoupled `seq_is` (and `seq_is_rs`) under noise and staleness; at a one-sided
-  T 0.8 the cap 2.0 fires and it is off too. Where the library charges the engine's log-probs (verl's bypass mode,
-  AReaL's decoupled loss) the sampler's k1 enters the reward, and no correction of the PG term repairs that.
-- Per-token corrections (TRL `token_*`, verl `*_token_*`, OpenRLHF, AReaL `token_*`) give `token_is_pg`: the prefixes
-  and continuations stay the sampler's. The PG term is exact (`pg`) only under a sequence-level weight (TRL
-  `sequence_*`, verl `*seq_is*`, `bypass_pg_is`) while every weight stays under its cap.
+  mismatch. Its gradient per token is (log pi - log pi_ref) grad log pi (TRL's k3 with its bias correction, verl's
+  `low_var_kl+`), so it follows `k2@old`: the gradient of E_{pi_s}[sum_t (1/2)(log pi - log pi_ref)^2] with pi_s
+  held fixed. That is k2 on the sampler's samples, which is not a KL. Without a mismatch it is the prefix-fixed
+  `partial_kl_pi_ref`.
+- A KL in the reward follows grad KL(pi || pi_ref) exactly only where three things hold: the PG loss's correction is
+  a full sequence-level weight, its cap does not fire, and the charged log-probs are the trainer's. That is verl's
+  decoupled `seq_is` (and `seq_is_rs`) under noise and staleness. At a one-sided T 0.8 the cap 2.0 fires, and it is
+  off too.
+- Some libraries charge the engine's log-probs in the reward (verl's bypass mode, AReaL's decoupled loss). There the
+  sampler's k1 enters the reward. With an exact sequence weight under its cap (verl's `bypass_pg_is`), the term
+  follows `kl_pi_ref_minus_kl_pi_s` = grad KL(pi || pi_ref) - grad KL(pi || pi_s), pi_s held fixed. Descending that
+  loss raises KL(pi || pi_s): it pushes the trainer away from its own sampler. No correction of the PG term repairs
+  this. Per-token weights give neither candidate.
+- Per-token corrections (TRL `token_*`, verl `*_token_*`, OpenRLHF, AReaL `token_*`) give `token_is_pg` only while no
+  weight reaches its cap: the prefixes and continuations stay the sampler's. At a one-sided T 0.8 a weight above
+  TRL's cap 3.0 fires, and TRL's `token_truncate` and `token_mask` read "none of the above". The PG term is exact
+  (`pg`) only under a sequence-level weight (TRL `sequence_*`, verl `*seq_is*`, `bypass_pg_is`) while every weight
+  stays under its cap.
+- klbench's own PG corrections (`klbench.estimators.pg_correction`, docs/mismatch.md "PG corrections") mirror TRL's
+  four modes. Each one's expected gradient on this axis equals the TRL setting's cell above
+  (`tests/test_pg_correction.py`).
 
 ## The mismatch meter
 
@@ -150,22 +193,8 @@ the sampler cut), chi2 = (r - 1)^2 (unbiased for chi^2(pi || pi_s) = Var[r], the
 multiplies by) and the largest |log r|, with r = pi(y_t) / pi_s(y_t) from the two log-probs of each sampled token;
 exact on enumerated pairs (`tests/test_mismatch.py`). A shape that disagrees is refused in one line naming the shapes.
 The RL task logs it as `train/mismatch_*` beside `train/logp_gap_*` (klbench/tasks/rl_metrics.py, `RLTask.log_train`).
-
-## `task.behaviour` (design)
-
-Which log-probs a batch's behaviour policy carries at `task.kl_target=model`. Today it is `sampler` wherever the
-rollout kept its own log-probs: klbench/models/scoring.py passes `behaviour_logp=sub.sampled_logp` to `target_batch`
-(the logits path, which `model` off plain sampling always takes), else the scorer's recomputation. The option would
-name the choice: `sampler` (`Rollout.sampled_logp`, as a vLLM pipeline sends them) or `scorer`
-(`behaviour_logp=None`: `target_batch` recomputes log pi_s from the trainer's logits, which hides the mismatch). The
-table above is its exact effect: with `sampler`, `rb` follows grad KL(pi || pi_ref) under every mismatch that keeps
-support; with `scorer` the mismatch is invisible to every estimator (the "ignored" rows). A shape or mask that
-disagrees is refused by KLBatch in one line naming both shapes; on a model without exact truth a mismatch
-setting is refused in one line (`Mismatch.sampler_table`). At plain sampling (T 1, no cut) `target_batch` drops
-`behaviour_logp` (klbench/estimators/sampling.py, `if target == "model" and not sampling.is_plain:`), so a
-T = 1 run never sees its engine's mismatch: `behaviour=sampler` needs that test to read
-`if target == "model" and (not sampling.is_plain or behaviour_logp is not None):`. Wiring the option needs the
-config schema, the scoring, sampling.py and the RL task, which this change does not edit.
+A run whose last logged `train/mismatch_chi2` exceeds 0.1 (the samples' effective size is 1 / (1 + chi^2) of their
+number: about 9% lost) says so in one line at its end (`tests/test_mismatch_meter_run.py`).
 
 ## Commands
 

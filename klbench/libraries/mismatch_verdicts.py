@@ -53,10 +53,12 @@ def trl_ratio_not_on_kl() -> Claim:
     klr = audit_mismatch(s.terms["kl_loss"], m, tol=TOL)
     c.rows += [(f"`{s.name}`, {m.describe()}: policy-gradient term", _cell(pg, "pg")),
                (f"`{s.name}`, {m.describe()}: KL term", _cell(klr, "kl_pi_ref"))]
-    c.holds = order and pg.match == "pg" and klr.match == "none of the above"
+    c.holds = order and pg.match == "pg" and klr.match not in ("kl_pi_ref", "kl_ref_pi")
+    k2 = (" Its gradient is that of k2 on pi_s's samples with pi_s held fixed (`k2@old`): "
+          "E_{pi_s}[sum_t (1/2)(log pi - log pi_ref)^2], which is not a KL, so a GRPO run with beta > 0 under a "
+          "mismatch minimises that, not a KL") if klr.match == "k2@old" else ""
     c.consequence = ("the sequence-level ratio makes the PG term exact under the mismatch, and the KL term follows "
-                     "no KL gradient: a GRPO run with beta > 0 regularises a KL of the sampler's samples scored as pi's"
-                     if c.holds else "the KL term is corrected too in this release")
+                     "no KL gradient." + k2 if c.holds else "the KL term is corrected too in this release")
     return c
 
 
@@ -76,9 +78,13 @@ def verl_bypass_feeds_rollout_logprobs() -> Claim:
         c.rows.append((f"`{name}`, {m.describe()}: k1 KL in the reward", _cell(found[name], "kl_pi_ref")))
     c.holds = (found["verl.rollout_corr.bypass_pg_is"].match != "kl_pi_ref"
                and found["verl.rollout_corr.decoupled_seq_is"].match == "kl_pi_ref")
+    named = found["verl.rollout_corr.bypass_pg_is"].match == "kl_pi_ref_minus_kl_pi_s"
     c.consequence = ("with the same sequence-level IS the decoupled mode's reward KL follows grad KL(pi || pi_ref) "
-                     "exactly and the bypass mode's does not: the sampler's k1 enters the reward; use the decoupled "
-                     "mode (or a KL in the loss) when the KL matters" if c.holds else
+                     "exactly and the bypass mode's does not: the sampler's k1 enters the reward" +
+                     (", and the term follows grad KL(pi || pi_ref) - grad KL(pi || pi_s) with pi_s held fixed "
+                      "(`kl_pi_ref_minus_kl_pi_s`): descending it raises KL(pi || pi_s), pushing the trainer away "
+                      "from its own sampler" if named else "") +
+                     "; use the decoupled mode when the KL matters" if c.holds else
                      "bypass mode's KL in the reward follows grad KL(pi || pi_ref) here")
     return c
 
