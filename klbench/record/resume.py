@@ -89,10 +89,38 @@ def finished(payload: dict, cfg: DictConfig) -> bool:
 
 def load_payload(path: str) -> dict:
     """The klbench section of a checkpoint (config, pending metrics, step); ResumeError otherwise."""
+    return _section(_torch_load(path, path), path)
+
+
+def read_checkpoint(path: str) -> dict:
+    """The whole checkpoint (its klbench section checked), read ONCE through one open file, its archive's CRC-32s
+    checked first; ResumeError otherwise. One open file is one version of it: RecordCheckpoint replaces last.ckpt
+    with os.replace at every validation, so a run checkpointing while this reads cannot give the config of one step
+    and the weights of the next (three reads did, issue 50). torch's zip reader never checks the CRCs, so zeroed
+    bytes inside a tensor's entry load as weights without them."""
+    with open(path, "rb") as f:
+        if zipfile.is_zipfile(f):
+            f.seek(0)
+            try:
+                bad = zipfile.ZipFile(f).testzip()  # reads every entry: the name of the first whose CRC fails
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+                bad = f"its directory ({e})"
+            if bad:
+                raise ResumeError(f"{path} is damaged: {bad} fails the zip archive's CRC-32 check, so what it holds is "
+                                  "not what was saved (a disk or copy error). Use another copy of the checkpoint, or an "
+                                  "earlier run's")
+        f.seek(0)
+        ckpt = _torch_load(f, path)
+    _section(ckpt, path)
+    return ckpt
+
+
+def _torch_load(source, path: str):
+    """torch.load of a path or an open file, every reader's failure as ResumeError naming `path`."""
     import torch
     try:
         # weights_only: a checkpoint is data, never code. klbench's load under it; anything else is not ours
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, IndexError,
             KeyError, TypeError) as e:
         # a zip of torch tensors is what klbench writes; anything else fails somewhere in torch's readers,
@@ -102,6 +130,9 @@ def load_payload(path: str) -> dict:
                else "it is not a torch checkpoint (a zip archive)" if not zipped else
                f"it cannot be read as one ({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})")
         raise ResumeError(f"{path} is not a klbench checkpoint: {why}, so it is not loaded. {WHAT_TO_DO}") from None
+
+
+def _section(ckpt, path: str) -> dict:
     if not isinstance(ckpt, dict) or "klbench" not in ckpt or "config" not in ckpt["klbench"]:
         raise ResumeError(f"{path} is not a klbench checkpoint: it has no klbench section (config and metrics). "
                           + WHAT_TO_DO)
@@ -144,18 +175,30 @@ def check_config(payload: dict, cfg: DictConfig, path: str) -> None:
                             f"ckpt_allow_changes=[{keys}]")
 
 
-def load_policy_weights(policy, path: str, cfg: DictConfig) -> int:
+def load_policy_weights(policy, path: str, cfg: DictConfig, ckpt: dict | None = None) -> int:
     """Loads a klbench checkpoint's policy weights into `policy` (a torch module whose parameters the
     checkpoint's `policy.` entries name, as RecordCheckpoint saves them); returns the checkpoint's step.
-    Refuses a checkpoint made with another model or teacher, naming the keys."""
-    import torch
-    payload = load_payload(path)  # "not a klbench checkpoint" for anything else
+    `ckpt`: the checkpoint already read (read_checkpoint), so that its step and weights are one version.
+    Refuses a checkpoint made with another model or teacher, naming the keys, and one without weights or
+    with a weight of another shape, naming it."""
+    if ckpt is None:
+        ckpt = _torch_load(path, path)
+    payload = _section(ckpt, path)  # "not a klbench checkpoint" for anything else
     changes = [c for c in config_changes(payload["config"], cfg) if c.startswith(("model", "teacher"))]
     if changes:
         raise ResumeError(f"{path} holds a policy of another model: " + "; ".join(changes)
                           + ". Load it with the model (and teacher) options of its run")
-    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    state = ckpt.get("state_dict")
+    if not isinstance(state, dict) or not any(k.startswith("policy.") for k in state):
+        what = "its state_dict has no policy.* entry" if isinstance(state, dict) else "it has no state_dict"
+        raise ResumeError(f"{path} holds no policy weights ({what}): it is not a checkpoint RecordCheckpoint "
+                          "wrote whole. Use another checkpoint of the run")
     state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
+    mine = policy.state_dict()
+    for name, value in state.items():  # load_state_dict's size mismatch is a 19-line traceback
+        if name in mine and tuple(value.shape) != tuple(mine[name].shape):
+            raise ResumeError(f"{path} holds policy.{name} of shape {list(value.shape)}, the run's model has "
+                              f"{list(mine[name].shape)}: the checkpoint does not fit the model its config names")
     missing, unexpected = policy.load_state_dict(state, strict=False)
     # neither the frozen reference nor frozen policy weights (a LoRA base) are checkpointed
     frozen = {name for name, p in policy.named_parameters() if not p.requires_grad}

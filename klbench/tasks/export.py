@@ -16,7 +16,10 @@ target that exists (nothing is overwritten: the folder is written beside it and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import signal
 import shutil
 import sys
 import tempfile
@@ -47,50 +50,172 @@ def find_checkpoint(source: str) -> tuple[Path, Path]:
                       "task.val_every steps, once training started), so there is no trained policy to export")
 
 
+class Interrupted(Exception):
+    """SIGTERM (or SIGHUP) during an export: raised where the export is, so that its hidden folder is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def export(source: str, out: str | None = None, adapter: bool = False) -> Path:
-    """Writes the folder and returns it; ExportError (or the load's own ConfigError) for bad input."""
+    """Writes the folder and returns it; ExportError (or the load's own ConfigError / ResumeError) for bad input."""
     ckpt, run = find_checkpoint(source)
     target = Path(out).expanduser().resolve() if out else run / ("hf-adapter" if adapter else "hf")
     if os.path.lexists(target):
         raise ExportError(f"{target} exists; klbench-export never overwrites: give --out a path that does not exist")
-    from omegaconf import OmegaConf
+    made = check_target(target)  # before anything is loaded: a large model takes minutes (issue 51)
+    with on_signals(), hidden_folder(target, made) as tmp:
+        from omegaconf import OmegaConf
 
-    from klbench.record import resume
-    try:
-        cfg = OmegaConf.create(resume.load_payload(str(ckpt))["config"])
-    except resume.ResumeError as e:
-        raise ExportError(str(e).split(" so it is not loaded")[0].rstrip(",")) from None
-    if cfg.model.kind == "tabular":
-        raise ExportError(f"{ckpt} is a run of the tabular model (model=tabular), which is a table of logits, not a "
-                          "language model: there is no save_pretrained form to export")
-    lora = bool((cfg.model.get("lora") or {}).get("r"))
-    if adapter and not lora:
-        raise ExportError(f"--adapter: {ckpt}'s run trained the whole model (model.lora.r is null), so it has no "
-                          "adapter; export it without --adapter")
-    policy, step = load_policy(cfg, ckpt)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # renamed into place when whole
-    try:
-        write(policy, cfg, tmp, adapter)
+        from klbench.record import resume
+        data = resume.read_checkpoint(str(ckpt))  # ONE read: config, step and weights of one version
+        payload = data["klbench"]
+        cfg = OmegaConf.create(payload["config"])
+        if cfg.model.kind == "tabular":
+            raise ExportError(f"{ckpt} is a run of the tabular model (model=tabular), which is a table of logits, "
+                              "not a language model: there is no save_pretrained form to export")
+        lora = bool((cfg.model.get("lora") or {}).get("r"))
+        if adapter and not lora:
+            raise ExportError(f"--adapter: {ckpt}'s run trained the whole model (model.lora.r is null), so it has "
+                              "no adapter; export it without --adapter")
+        check_finite(data, ckpt)
+        policy, step = load_policy(cfg, ckpt, data)
+        from safetensors import SafetensorError
+        try:
+            write(policy, cfg, tmp, adapter)
+        except (OSError, SafetensorError) as e:  # disk full, quota: one line, the hidden folder removed
+            why = (e.strerror if isinstance(e, OSError) else None) or str(e).split("I/O error: ")[-1]
+            raise ExportError(f"could not write {target}: {why}; nothing was left behind") from None
         if os.path.lexists(target):  # made while this export ran
             raise ExportError(f"{target} exists; klbench-export never overwrites: give --out a path that does not exist")
         os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     what = "LoRA adapter" if adapter else "policy (LoRA merged into its base)" if lora else "policy"
     chat = " and chat template" if getattr(policy.tok, "chat_template", None) else ""
-    print(f"klbench-export: wrote {target}: the {what} at step {step} of {run}, its tokenizer{chat}, "
+    max_steps = int(cfg.task.max_steps)
+    when = (f"step {step}" if resume.finished(payload, cfg) else
+            f"step {step} of {max_steps}, an unfinished run (still training, or stopped before task.max_steps)")
+    print(f"klbench-export: wrote {target}: the {what} at {when} of {run}, its tokenizer{chat}, "
           f"and a generation_config with the run's sampling ({policy.sampling.describe()})")
+    if adapter:  # peft loads the base's generation_config and never reads the adapter folder's (issue 51)
+        print(f"klbench-export: peft samples with the base's generation_config, not this folder's: pass "
+              f"generation_config=GenerationConfig.from_pretrained(\"{target}\") to generate() to sample as the "
+              "run did")
     return target
 
 
-def load_policy(cfg, ckpt: Path):
-    """The run's policy with the checkpoint's weights, and the checkpoint's step."""
+PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[a-z0-9_]{8}")  # hidden_folder's name: .<target>.<pid>.<random>
+LEGACY = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}")  # what exports before issue 50 left (no pid in the name)
+
+
+def check_target(target: Path) -> list[Path]:
+    """ExportError, one line, unless `target`'s folder can be made and written; the folders made for it."""
+    made, parent = [], target.parent
+    while not parent.exists():
+        made.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ExportError(f"cannot write {target}: {parent} is a file, not a folder; give --out a path in a folder")
+    for folder in reversed(made):
+        try:
+            folder.mkdir()
+        except OSError as e:
+            remove_made(made)
+            raise ExportError(f"cannot write {target}: making {folder} failed ({e.strerror or e}); give --out a "
+                              "folder you can write") from None
+    if not os.access(target.parent, os.W_OK | os.X_OK):  # root passes access() on a read-only mount: mkdtemp tells
+        remove_made(made)
+        raise ExportError(f"cannot write {target}: {target.parent} is not writable for this user; give --out a "
+                          "folder you can write")
+    return made
+
+
+def remove_made(made: list[Path]) -> None:
+    for folder in made:  # innermost first
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale(target: Path) -> None:
+    """The hidden folders that exports to `target` left when killed (kill -9 gives no chance to clean up): those
+    whose process is gone. A running export's folder is kept."""
+    for p in target.parent.iterdir():
+        m = PARTIAL.fullmatch(p.name) or LEGACY.fullmatch(p.name)
+        if not m or m["name"] != target.name or not p.is_dir() or ("pid" in m.groupdict() and m["pid"]
+                                                                    and alive(int(m["pid"]))):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        print(f"klbench-export: removed {p}, the unfinished folder of an export to {target} that was killed")
+
+
+@contextlib.contextmanager
+def hidden_folder(target: Path, made: list[Path]):
+    """A folder beside `target`, renamed into place when whole, removed on any error or signal; with the mode
+    save_pretrained's folders get (the umask's), not mkdtemp's 0700, so that a model server under another uid reads
+    the export."""
+    remove_stale(target)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", dir=target.parent))
+    except OSError as e:  # a read-only file system (root passes access() there), a full disk
+        remove_made(made)
+        raise ExportError(f"cannot write {target}: {e.strerror or e} in {target.parent}; give --out a folder you "
+                          "can write") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_made(made)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)  # renamed away when whole: nothing there then
+
+
+@contextlib.contextmanager
+def on_signals():
+    """SIGTERM and SIGHUP raise Interrupted where the export is, so that its hidden folder is removed; the
+    previous handlers are put back after."""
+    def raise_(signum, frame):
+        raise Interrupted(signum)
+    before = {s: signal.signal(s, raise_) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def check_finite(data: dict, ckpt: Path) -> None:
+    """ExportError naming the policy tensors holding NaN or inf: such a policy samples nothing."""
+    import torch
+    bad = [k for k, v in (data.get("state_dict") or {}).items()
+           if k.startswith("policy.") and torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise ExportError(f"{ckpt} holds non-finite policy weights (NaN or inf) in {len(bad)} tensor(s): "
+                          f"{', '.join(b[len('policy.'):] for b in bad[:3])}{', ...' if len(bad) > 3 else ''}; "
+                          "the run diverged or the file was altered: export an earlier checkpoint")
+
+
+def load_policy(cfg, ckpt: Path, data: dict | None = None):
+    """The run's policy with the checkpoint's weights, and the checkpoint's step (`data`: the checkpoint as read)."""
     from klbench.models.policies import build_policy, task_sampling
     from klbench.record import resume
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.get("cache"), cfg.get("teacher"),
                           *task_sampling(cfg.task), notices=False)  # the run's start-up notice: not the export's
-    return policy, resume.load_policy_weights(policy, str(ckpt), cfg)
+    return policy, resume.load_policy_weights(policy, str(ckpt), cfg, data)
 
 
 def generation_config(policy, max_new_tokens: int):
@@ -123,10 +248,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapter", action="store_true", help="the peft LoRA adapter alone, not merged")
     args = parser.parse_args(argv)
     from klbench.config.errors import ConfigError
+    from klbench.record.resume import ResumeError
     try:
         export(args.source, args.out, args.adapter)
-    except (ExportError, ConfigError, FileNotFoundError) as e:
+    except (ExportError, ConfigError, ResumeError, FileNotFoundError) as e:
         sys.exit(f"klbench-export: error: {e}")
+    except Interrupted as e:  # the hidden folder is gone; 128 + the signal, as a process killed by it
+        print(f"klbench-export: stopped by {signal.Signals(e.signum).name}; the unfinished folder was removed, "
+              "nothing was written", file=sys.stderr)
+        sys.exit(128 + e.signum)
 
 
 if __name__ == "__main__":
