@@ -155,7 +155,8 @@ def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.T
     estimator that differentiates it (Estimator.kappa_gradient); else KLBatch.kappa computes it on first use.
     donate_ref: ref_logits are the caller's to give up (LMPolicy's, computed for this batch): kappa's backward
     writes the gradient into them instead of a [B, T, V] of its own (token_scores), so nothing may read them, or
-    the batch's ref_logits, after backward. A reference target_pair made (tempered targets) is always given up.
+    the batch's ref_logits, after backward; and the batch's graph is backpropagated once (a second backward would
+    read the first one's gradient as the reference's logits).
     """
     check_target(sampling, target)
     if behaviour_logp is not None and behaviour_logp.shape != mask.shape:
@@ -164,7 +165,7 @@ def target_batch(logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.T
     pol, ref = target_pair(logits, ref_logits, sampling, target)
     token_kl = None
     if with_token_kl:
-        logp, token_kl = token_scores(pol, ref, tokens, mask, donate=donate_ref or ref is not ref_logits)
+        logp, token_kl = token_scores(pol, ref, tokens, mask, donate=donate_ref)
     else:
         logp = token_logprob(pol, tokens)
     ref_logp = token_logprob(ref, tokens)
