@@ -14,8 +14,12 @@ from test_sweeps import cli_env
 
 from klbench.console import progress
 
-LINE = re.compile(r"klbench: (?P<who>.+?): step (?P<step>\d+)/(?P<total>\d+) \(\d+%\), (?P<rate>[\d.]+) steps/s, "
-                  r"reward (?P<reward>[-\d.e]+), KL (?P<kl>[-\d.e]+)(, val reward [-\d.e]+, val KL [-\d.e]+)?, "
+# the values carry the step they were logged at, MLflow's (issue 51: a stale "KL 0" read as "not computed"), and
+# the line its clock time, as Hydra's lines in the same log have
+LINE = re.compile(r"klbench: (?P<who>.+?): step (?P<step>\d+)/(?P<total>\d+) \(\d+%\) "
+                  r"at (?P<clock>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d), (?P<rate>[\d.]+) steps/s, "
+                  r"reward (?P<reward>[-\d.e]+), KL (?P<kl>[-\d.e]+)( \(step (?P<at>\d+)\))?"
+                  r"(, val reward (?P<val_reward>[-\d.e]+), val KL (?P<val_kl>[-\d.e]+) \(step (?P<val_at>\d+)\))?, "
                   r"\d+ s so far(, about \d+ s left)?")
 
 
@@ -27,6 +31,7 @@ def _drive(lines, steps: int, seconds_per_step: float, monkeypatch) -> list[int]
     module = SimpleNamespace(last_logged={"train/reward": 0.5, "train/kl_rb": 0.25})
     lines.on_train_start(trainer, module)
     for step in range(1, steps + 1):
+        lines.on_train_batch_start(trainer, module, None, step - 1)  # as Lightning calls it: a due line prints
         clock[0] += seconds_per_step
         trainer.global_step = step
         lines.on_train_batch_end(trainer, module, None, None, step - 1)
@@ -37,7 +42,8 @@ def _drive(lines, steps: int, seconds_per_step: float, monkeypatch) -> list[int]
 def test_a_line_every_tenth_or_every_n_seconds_whichever_comes_first(monkeypatch, capsys):
     _drive(progress.TrainingLines(seconds=60), 100, 1.0, monkeypatch)  # a tenth (10 s) before 60 s
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "klbench: training: step 0/100, a line every 10 steps or 60 s (KLBENCH_PROGRESS_SECONDS)"
+    assert re.fullmatch(r"klbench: training: step 0/100 at \S+ \S+, a line every 10 steps or 60 s "
+                        r"\(KLBENCH_PROGRESS_SECONDS\)", err[0]), err[0]
     assert [int(LINE.fullmatch(e)["step"]) for e in err[1:]] == list(range(10, 101, 10)), err
     m = LINE.fullmatch(err[1])
     assert (m["rate"], m["reward"], m["kl"]) == ("1", "0.5", "0.25"), err[1]
@@ -70,13 +76,38 @@ def _klbench_to_a_file(tmp_path, *args: str) -> str:
 
 
 def test_a_run_with_output_to_a_file_shows_progress_lines(tmp_path):
-    text = _klbench_to_a_file(tmp_path, "experiment=tabular", "task.max_steps=20", "logger=csv")
-    assert "klbench: training: step 0/20, a line every 2 steps or 60 s" in text
+    # train/ values every 5 steps, a validation every 4, a line every 2: the lines fall between both (issue 51)
+    text = _klbench_to_a_file(tmp_path, "experiment=tabular", "task.max_steps=20", "task.log_every=5",
+                              "task.val_every=4", "logger=csv")
+    assert re.search(r"^klbench: training: step 0/20 at \S+ \S+, a line every 2 steps or 60 s", text, re.M), text
     found = [LINE.fullmatch(line) for line in text.splitlines() if line.startswith("klbench: training: step ")]
     found = [m for m in found if m]
     assert [int(m["step"]) for m in found] == list(range(2, 21, 2)), text[-3000:]
     assert all(m["who"] == "training" and float(m["rate"]) > 0 for m in found)
     assert float(found[-1]["kl"]) > 0  # the latest KL, not the first
+    csv = _metrics_csv(tmp_path)
+    for m in found:
+        step = int(m["step"])
+        # train/ values of the last logging step done (steps 0, 5, 10, 15: the step index, MLflow's and the CSV's)
+        assert int(m["at"]) == (step - 1) // 5 * 5, m.group(0)
+        assert float(m["kl"]) == float(f"{csv[('train/kl_rb', int(m['at']))]:.3g}"), m.group(0)
+        # a validation shows in the line of its own step, not one line late
+        if step >= 4:
+            assert int(m["val_at"]) == step // 4 * 4, m.group(0)
+            assert float(m["val_kl"]) == float(f"{csv[('val/seq_kl', int(m['val_at']))]:.3g}"), m.group(0)
+
+
+def _metrics_csv(tmp_path) -> dict[tuple[str, int], float]:
+    """(metric, step) -> value of the one metrics.csv a run under tmp_path wrote."""
+    import csv
+    (path,) = list((tmp_path / "outputs").rglob("metrics.csv"))
+    out = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if k != "step" and v not in ("", None):
+                    out[(k, int(row["step"]))] = float(v)
+    return out
 
 
 def test_a_sweeps_lines_say_which_trial_runs(tmp_path):

@@ -128,6 +128,10 @@ class StepLines(Callback):
         if (step < self.next and not due) or step >= total:  # the last step's line comes from on_train_end
             return
         self.next = self._after(step, total)
+        self.due(trainer, pl_module)
+
+    def due(self, trainer, pl_module) -> None:
+        """A line is due after this step: printed now (TrainingLines waits for the step's validation)."""
         self.line(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -139,12 +143,18 @@ class StepLines(Callback):
         took = self.last - self.t0
         done = step - self.first
         left = f", about {took / done * (total - step):.0f} s left" if 0 < done and step < total else ""
-        values = [self.rate(done, took), StepProgressBar.postfix(trainer, pl_module)]
-        print(f"klbench: {self.what}: step {step}/{total} ({step / total:.0%})"
+        values = [self.rate(done, took), self.values(trainer, pl_module)]
+        print(f"klbench: {self.what}: step {step}/{total} ({step / total:.0%}){self.clock()}"
               + "".join(f", {v}" for v in values if v) + f", {took:.0f} s so far{left}", file=sys.stderr, flush=True)
 
     def rate(self, done: int, took: float) -> str:
         return ""  # the pretraining's lines show the time left only
+
+    def values(self, trainer, pl_module) -> str:
+        return StepProgressBar.postfix(trainer, pl_module)  # the pretraining's loss: logged at every step
+
+    def clock(self) -> str:
+        return ""
 
 
 class TrainingLines(StepLines):
@@ -155,13 +165,21 @@ class TrainingLines(StepLines):
 
     def __init__(self, seconds: float | None = None) -> None:
         if seconds is None:
-            seconds = float(os.environ.get(SECONDS_ENV) or 60)
+            from klbench.console.env_checks import progress_seconds
+            seconds = progress_seconds()  # a bad value was refused before the run (klbench.cli.check)
         super().__init__(trial_label() or "training", seconds=seconds)
+
+    # the step of the validation whose values the lines show (a validation before training included)
+    val_at: int | None = None
+    # a line is due but waits for this step's validation, which Lightning runs after on_train_batch_end: printed
+    # at once, it showed the validation of the step before (issue 51)
+    pending: bool = False
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
+        self.pending = False
         if getattr(trainer, "is_global_zero", True):  # said once, so that a stall before step 1 shows too
-            print(f"klbench: {self.what}: step {trainer.global_step}/{trainer.max_steps}, a line every "
+            print(f"klbench: {self.what}: step {trainer.global_step}/{trainer.max_steps}{self.clock()}, a line every "
                   f"{max(1, trainer.max_steps // self.parts)} steps or {self.seconds:g} s ({SECONDS_ENV})",
                   file=sys.stderr, flush=True)
 
@@ -171,6 +189,56 @@ class TrainingLines(StepLines):
 
     def rate(self, done: int, took: float) -> str:
         return f"{done / took:.3g} steps/s" if done > 0 and took > 0 else ""
+
+    def due(self, trainer, pl_module) -> None:
+        self.pending = True  # printed after this step's validation, or before the next step where there is none
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.val_at = trainer.global_step
+        self.flush(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.flush(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.pending = False  # the last line says all of it
+        super().on_train_end(trainer, pl_module)
+
+    def flush(self, trainer, pl_module) -> None:
+        if self.pending:
+            self.pending = False
+            self.line(trainer, pl_module)
+
+    def values(self, trainer, pl_module) -> str:
+        return labelled_values(trainer, pl_module, self.val_at)
+
+    def clock(self) -> str:
+        # as Hydra's lines in the same log give it (to the second): a SLURM log reads as one timeline
+        return f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.last or time.time()))}"
+
+
+def labelled_values(trainer, pl_module, val_at: int | None) -> str:
+    """`reward 0.412, KL 0.52 (step 10), val reward 0.838, val KL 3.18 (step 12)`: the values SHOWN, each group
+    followed by the step it was logged at (RLTask.logged_at; MLflow's step), since train/ values are logged every
+    task.log_every steps only and a line may come between: a stale `KL 0` read as "not computed" (issue 51).
+    val_at: the step of the last validation (TrainingLines.on_validation_end); None: unlabelled."""
+    last, at = getattr(pl_module, "last_logged", {}), getattr(pl_module, "logged_at", {})
+    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    groups: list[tuple[int | None, list[str]]] = []  # (step, texts): consecutive values of one step share a label
+    for label, keys in SHOWN:
+        source = val if label.startswith("val ") else last
+        key = next((k for k in keys if k in source), None)
+        if key is None:
+            continue
+        step = val_at if source is val else at.get(key)
+        text = f"{label} {source[key]:.3g}"
+        if groups and groups[-1][0] == step:
+            groups[-1][1].append(text)
+        else:
+            groups.append((step, [text]))
+    parts = [", ".join(texts) + ("" if step is None else f" (step {step})") for step, texts in groups]
+    parts += [f"{k} {float(v):.3g}" for k, v in trainer.progress_bar_metrics.items()]
+    return ", ".join(parts)
 
 
 def trial_label() -> str | None:

@@ -76,12 +76,15 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         line = getattr(policy, "scoring_line", None)  # a language model says how it scores, once
         if line is not None:
             reads = getattr(self.estimator, "reads_logits", False)
+            rows = int(task_cfg["prompts_per_step"]) * int(task_cfg["n_samples"])  # a micro-batch's m (the budget's)
+            rows = min(rows, int(self.micro_batch_size or rows))
             print("klbench: " + line(f"estimator={estimator_cfg['name']} reads the whole next-token distribution"
-                                     if reads else None))
+                                     if reads else None, rows))
         self.strict_loading = False  # the frozen reference is not checkpointed
         self.val_rows: list[dict] = []
         self.sample_tables: list[tuple[int, list[dict]]] = []
         self.last_logged: dict[str, float] = {}  # the latest value of each train/ metric
+        self.logged_at: dict[str, int] = {}  # the step each of them was logged at (the progress lines say it)
         self.cached_rollout: CachedRollout | None = None  # task.inner_steps > 1: the rollout the steps reuse
         self.metrics_read = True  # on_fit_start: whether a logger or a step bar reads the train/ metrics
 

@@ -87,5 +87,6 @@ class TrainMetrics:
         if self.trainer.is_global_zero:
             logged = dict(zip(keys, values.tolist()))
             self.last_logged.update(logged)  # what the progress bar shows (klbench.console.progress)
+            self.logged_at.update(dict.fromkeys(logged, self.global_step))
             if self.logger is not None:
                 self.logger.log_metrics(logged, step=self.global_step)
