@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Debian packages for the server fixtures: a SLURM cluster with accounting (tests/slurm), PostgreSQL
+# Debian packages for the server fixtures: SLURM clusters with accounting, one node and two (tests/slurm), PostgreSQL
 # (tests/stores), and headless Chromium for the MLflow UI browser test (tests/ui; with a font, since
 # --no-install-recommends leaves Chromium none to draw text with). Idempotent and quiet; always exits 0,
 # since without the packages those tests skip and say why. The fixtures start private instances, so the
 # packages' own services are kept from starting.
 set -uo pipefail
 
-PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server postgresql chromium fonts-liberation)
+# iproute2: `ip` builds the two-node cluster's bridge and network namespaces (tests/slurm/two_nodes.py; unshare,
+# nsenter and mount are util-linux's, always installed)
+PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server postgresql chromium fonts-liberation iproute2)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

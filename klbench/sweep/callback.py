@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from klbench.record import interrupts
 from klbench.record.redact import redact
-from klbench.sweep import jobs, parent, signals, study, trial
+from klbench.sweep import jobs, nodes, parent, signals, study, trial
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,11 @@ class SweepTracking(Callback):
         except Exception as e:
             # Hydra downgrades callback exceptions to warnings; a sweep that would mix into another
             # study, or whose trials could not be tracked, must not start.
-            self.refused = isinstance(e, jobs.StudyBusy)
+            self.refused = isinstance(e, (jobs.StudyBusy, nodes.NodesError))  # nothing of this sweep exists
             raise SystemExit(f"klbench sweep: {type(e).__name__}: {e}") from e
 
     def _start(self, config: DictConfig) -> None:
+        nodes.check(config)  # a multi-node job SLURM cannot start: one line before anything exists
         sw = config.hydra.sweeper
         if sw.get("study_name") and sw.get("storage"):  # first: a refused sweep leaves nothing behind
             jobs.claim(Path(config.paths.outputs), sw.study_name, redact(str(sw.storage)))

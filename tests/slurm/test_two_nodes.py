@@ -87,3 +87,37 @@ def test_fsdp_across_two_nodes(two_nodes, tmp_path, tiny_arch):
     assert val == [0, 2, 4] and kid.data.metrics["val/seq_kl"] > 0
     straight = local_metrics(out, *trial, "hardware.devices=2")
     assert straight and {k: kid.data.metrics[k] for k in straight} == pytest.approx(straight, rel=1e-6)
+
+
+# ---- bad input: refused in one line before anything is submitted ----
+
+def _refused(out: Path, *args: str) -> str:
+    import subprocess
+    import sys
+
+    from test_sweeps import cli_env
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "klbench.cli", "-m", "sweep=rl_beta", "experiment=tabular",
+                           "hardware=ddp", "hardware.accelerator=cpu", "hardware.devices=1", ONE_BETA,
+                           "hydra.sweeper.n_trials=1", *args], cwd=out.parent, env=cli_env(out), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "klbench sweep: NodesError" in line]
+    assert len(said) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not (out / "optuna.db").exists() and not (out / "mlflow.db").exists()  # nothing of the sweep exists
+    return said[0]
+
+
+def test_more_nodes_than_the_partition_has_is_refused_before_submission(two_nodes, tmp_path):
+    before = subprocess.run(["sacct", "-n", "-X", "-o", "JobID", "-S", "now-1hour"], capture_output=True,
+                            text=True).stdout.split()
+    line = _refused(tmp_path / "outputs", "hardware.num_nodes=3", *[a.replace("nodes=2", "nodes=3") for a in TWO])
+    assert "hardware.num_nodes=3: SLURM partition 'two' has 2 nodes" in line
+    after = subprocess.run(["sacct", "-n", "-X", "-o", "JobID", "-S", "now-1hour"], capture_output=True,
+                           text=True).stdout.split()
+    assert after == before  # no job was submitted
+
+
+def test_a_launcher_node_count_other_than_num_nodes_is_refused(two_nodes, tmp_path):
+    line = _refused(tmp_path / "outputs", "hardware.num_nodes=2", *[a.replace("nodes=2", "nodes=1") for a in TWO])
+    assert "hardware.num_nodes=2 but hydra.launcher.nodes=1" in line
