@@ -36,6 +36,8 @@ register()  # the klbench_* resolvers conf/ uses (klbench/config/resolvers.py)
 
 def main() -> None:
     """The `klbench` command: the Hydra app below, with what Hydra cannot compose told in klbench's one line."""
+    from klbench.console import pipes
+    pipes.guard()  # `klbench | head -1`: the run goes on when its reader goes away (issue 50)
     with _composition_errors_in_one_line():
         app()
 
@@ -148,7 +150,10 @@ def fail(message: str) -> NoReturn:
 def check(cfg: DictConfig) -> None:
     """Everything that can be told from the config alone (no torch, no MLflow)."""
     from klbench.config.schema import ConfigError, validate
+    from klbench.console.env_checks import check_environment
+    check_environment()  # KLBENCH_PROGRESS_SECONDS=abc: one line now, not a FAILED run 40 s in (issue 50)
     hc = HydraConfig.get()
+    check_deletions(cfg, hc.overrides.task)
     sweep = hc.runtime.choices.get("sweep")
     if sweep and hc.mode != RunMode.MULTIRUN:
         raise ConfigError(f"sweep={sweep} is a sweep: run it with -m (klbench -m sweep={sweep} ...); "
@@ -157,6 +162,23 @@ def check(cfg: DictConfig) -> None:
     if cfg.task.name != "pretrain":
         from klbench.config.model_checks import check_model_folders
         check_model_folders(cfg)  # a missing folder, a LoRA target no module has: before any model loads
+
+
+def check_deletions(cfg: DictConfig, overrides) -> None:
+    """`~task.lr`: a key of a group deleted. Every key of a group's option is read by the run (a KeyError of 43
+    lines, a FAILED run, issue 50), so the deletion is refused in one line naming the declared default."""
+    from klbench.config.schema import GROUPS, ConfigError, _tags
+    for override in overrides:
+        key = override[1:].split("=", 1)[0].strip() if override.startswith("~") else ""
+        group, _, leaf = key.partition(".")
+        if not leaf or group not in GROUPS:
+            continue
+        options, disc = GROUPS[group]
+        model = _tags(options, disc).get(OmegaConf.select(cfg, f"{group}.{disc}")) if disc else options
+        field = model.model_fields.get(leaf.split(".")[0]) if model is not None else None
+        default = "" if field is None or field.is_required() or "." in leaf else f" (its default: {field.default!r})"
+        raise ConfigError(f"{override}: {key} cannot be deleted, the run reads it{default}; leave it out of the "
+                          f"command line for its default, or give {key}=<value>")
 
 
 ENV_VALUE = re.compile(r"\$\{oc\.env:[^${}]*\}")

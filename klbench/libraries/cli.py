@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     names = list(ALL) if a.all else a.names
     if not names and not a.verdicts and not a.mismatch:
         p.error("name a library or setting, or pass --all, --verdicts PATH or --mismatch PATH")
+    for flag, path in (("--markdown", a.markdown), ("--verdicts", a.verdicts), ("--mismatch", a.mismatch)):
+        if path and (why := _unwritable(path)):  # before the work: --mismatch computes for minutes (issue 50)
+            print(f"klbench-audit: error: {flag} {path}: {why}; nothing was computed", file=sys.stderr)
+            return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.verdicts:
         _verdicts(a.verdicts, with_claims=bool(a.mismatch))
@@ -81,6 +85,19 @@ def main(argv: list[str] | None = None) -> int:
         for line in mlflow_ui_lines(uri, exp_id, rid):  # links open in the Model training view
             print(f"  {line}")
     return 0
+
+
+def _unwritable(path: str) -> str | None:
+    """Why `path` cannot be written as a page, or None."""
+    p = Path(path).expanduser()
+    folder = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        return "it is a folder; give a file path"
+    if not folder.is_dir():
+        return f"the folder {folder} does not exist" + (" (it is a file)" if folder.exists() else "")
+    if not os.access(folder if not p.exists() else p, os.W_OK):
+        return f"{p if p.exists() else folder} is not writable"
+    return None
 
 
 def _verdicts(path: str, with_claims: bool = False) -> None:
