@@ -10,6 +10,7 @@ from klbench.estimators.options import (ADVANTAGES, LOSS_AGGS, REPORTED_VALUES, 
                                         InLossOptions, InRewardOptions, LibraryOptions, Options, TopKTailOptions,
                                         TopKTruncOptions, VOPDOptions)
 from klbench.estimators.targets import KL_TARGETS
+from klbench.estimators.pg_correction_options import PGCorrectionFields
 from klbench.probe.config import ProbeOptions, StepProbeOptions
 from klbench.config.fields import PosInt
 
@@ -106,6 +107,10 @@ class TaskRL(SamplingFields):
     # (Rollout.sampled_logp, as vLLM sends them) or the trainer's recomputation, which hides the mismatch
     # (docs/mismatch.md, "task.behaviour")
     behaviour: Literal[BEHAVIOURS] = "sampler"
+    # the policy-gradient correction for an engine that is not the trainer: mode none | token_truncate | token_mask |
+    # sequence_truncate | sequence_mask, the weight's bounds cap and floor (TRL's and verl's semantics;
+    # klbench/estimators/pg_correction.py, docs/mismatch.md "PG corrections")
+    pg_correction: PGCorrectionFields = PGCorrectionFields()
 
 
 class TaskDistill(TaskRL):
