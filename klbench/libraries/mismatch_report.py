@@ -185,6 +185,31 @@ PROSE = """
   four modes. Each one's expected gradient on this axis equals the TRL setting's cell above
   (`tests/test_pg_correction.py`).
 
+## PG corrections
+
+`task.pg_correction.mode` (klbench/estimators/pg_correction.py; the options are declared in
+klbench/estimators/pg_correction_options.py) weights the policy-gradient term's per-token loss. The weight r = pi / pi_s
+comes from the trainer's recomputation and the engine's log-probs of each sampled token. The modes use the libraries'
+semantics:
+
+| mode | weight on token t | mirrors | expected gradient (while no weight reaches a bound) |
+|---|---|---|---|
+| `none` | 1 | TRL `vllm_importance_sampling_correction=False` | `uncorrected_pg` |
+| `token_truncate` | clamp(r_t, floor, cap) | TRL `token_truncate`; verl `decoupled_token_is` (TIS, cap 2) | `token_is_pg` |
+| `token_mask` | r_t if floor <= r_t <= cap, else 0 | TRL `token_mask`; verl `decoupled_token_icepop` (floor 0.5, cap 5) | `token_is_pg` |
+| `sequence_truncate` | clamp(prod_t r_t, floor, cap) | TRL `sequence_truncate`; verl `decoupled_seq_is` (cap 2) | `pg` |
+| `sequence_mask` | prod_t r_t inside [floor, cap], else 0 | TRL `sequence_mask` (TRL's default mode) | `pg` |
+
+`cap` defaults to TRL's `vllm_importance_sampling_clip_max` 3.0 and `floor` to its `clip_min` (null: no lower bound).
+A floor above the cap, or a cap that is not a finite number > 0, is refused in one line naming the key. Once a weight
+reaches a bound, the expected gradient follows none of the candidates. It then equals the mirrored library
+setting's, cell for cell, on this page's axis. `tests/test_pg_correction.py` checks this by enumeration, and checks
+that each mutation moves the gradient off the library's: dropping the weight, using the scorer's log-probs, or
+dropping the cap.
+
+No weight exists for tokens the engine never draws. A correction therefore cannot repair an engine that cuts top-k or
+top-p on its own logits.
+
 ## The mismatch meter
 
 `klbench.estimators.mismatch.mismatch_metrics(sampler_logp, scorer_logp, mask)` returns the masked per-token means
