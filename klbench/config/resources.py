@@ -10,10 +10,19 @@ from pydantic import BeforeValidator, Field
 
 from klbench.estimators.options import Expect, Options
 from klbench.models import ATTN_IMPLEMENTATIONS, DTYPES
+from klbench.models.logits_budget import SIZE, size_bytes
 from klbench.rewards.answer import EXTRACTS
 from klbench.config.fields import PosInt, Str, _check
 
 # ---- model (and teacher) ----
+
+def _size_bytes(v: Any) -> Any:
+    """A size as the config writes it (256MiB, 1.5GB, 4096), kept as written once it reads as > 0 bytes
+    (klbench.models.logits_budget.size_bytes reads it where it is used)."""
+    if size_bytes(v) is None:
+        raise ValueError("not a positive size")
+    return v
+
 
 class EmbeddedSpec(Options):
     """Overrides of the preset's spec (the keys of klbench.models.embedded.spec's presets): null keeps the preset's
@@ -60,6 +69,13 @@ class _LanguageModel(Options):
     attn_implementation: Optional[Literal[ATTN_IMPLEMENTATIONS]] = None
     # recompute each layer's activations in backward instead of keeping them (transformers', klbench.models.hf)
     gradient_checkpointing: bool = False
+    # the scoring path by its cost (klbench.models.lm_policy, docs/scale.md): the [m, L, V] logits where a micro-batch's
+    # float32 logits (m rows x task.max_new_tokens x V x 4 bytes) fit this size, the hidden states above it
+    logits_budget: Annotated[Any, BeforeValidator(_size_bytes), Expect(SIZE)] = "256MiB"
+    # what the LM head's matrix product runs in, on every path (scoring, rollouts): float32 keeps kappa and the
+    # log-probs exact to float32 under bf16 (docs/scale.md, "The head's precision"); autocast: the model's own
+    # dtype under hardware=bf16 (bf16), as TRL's head runs unless cast_lm_head_to_fp32
+    head_dtype: Literal["float32", "autocast"] = "float32"
 
 
 class ModelEmbedded(_LanguageModel):

@@ -23,9 +23,13 @@ Gradients (per row; g_l, g_k, g_e the upstream gradients of log pi(y), kappa and
 then through the temperature, the softcap (1 - (u / cap)^2) and the scale to the head's input. Every quantity is
 kept as an offset from its row's maximum m (log p - log q = (z - m) - (r - m_r) - log s + log s_r): at logits of
 tens of nats a log-normaliser rounds by 4e-6 in float32, more than a small KL, while the likely tokens' offsets are
-small numbers, as in a log-softmax; log pi(y) reads z_y from the tile the normaliser sums. Matrix products run in
-the dtype autocast would use (bf16 under bf16-mixed), the softmax arithmetic in float32 (float64 stays, for the
-exact tests).
+small numbers, as in a log-softmax; log pi(y) reads z_y from the tile the normaliser sums.
+
+Precision: the softmax arithmetic runs in float32 (float64 stays, for the exact tests), and so do the head's matrix
+products by default (LMHead.dtype): a bf16 product rounds a logit of magnitude 10 by up to 0.03, more than a small
+per-token KL, and the error does not average out of kappa (docs/scale.md, "The head's precision"). With
+LMHead.dtype None the products run in autocast's dtype, as the model's own head does. Either way one dtype serves
+both models in a call: the policy's and the reference's logits round alike, so pi = pi_ref gives kappa = 0 exactly.
 """
 from __future__ import annotations
 
@@ -36,13 +40,16 @@ import torch
 
 @dataclass(frozen=True)
 class LMHead:
-    """z = softcap(scale * (h @ weight.T + bias)) / temperature; softcap(x) = cap * tanh(x / cap), none if None."""
+    """z = softcap(scale * (h @ weight.T + bias)) / temperature; softcap(x) = cap * tanh(x / cap), none if None.
+    dtype: what the product h @ weight.T runs in (inputs cast to it, float64 inputs stay float64); None: autocast's
+    dtype where autocast is on, else h's, as the model's own head runs (model.head_dtype=autocast)."""
 
     weight: torch.Tensor  # [V, H]
     bias: torch.Tensor | None = None  # [V]
     scale: float = 1.0
     softcap: float | None = None
     temperature: float = 1.0
+    dtype: torch.dtype | None = torch.float32
 
     def at(self, temperature: float) -> "LMHead":
         return replace(self, temperature=float(temperature))
@@ -58,8 +65,12 @@ class LMHead:
         return z / self.temperature if self.temperature != 1 else z
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., V] the unfused logits (tests and the logits path), float32 (float64 stays)."""
-        return self.post(torch.nn.functional.linear(h, self.weight, self.bias))
+        """[..., V] the unfused logits (tests and benchmarks), float32 (float64 stays), the product in
+        product_dtype(h, self) as head_scores runs it."""
+        cd = product_dtype(h, self)
+        with torch.autocast(h.device.type, enabled=False):
+            b = None if self.bias is None else self.bias.to(cd)
+            return self.post(torch.nn.functional.linear(h.to(cd), self.weight.to(cd), b))
 
 
 @dataclass
@@ -84,10 +95,16 @@ def tile_shape(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
     return max(1, min(rows, budget // cols)), cols
 
 
-def _compute_dtype(h: torch.Tensor) -> torch.dtype:
-    """The dtype of the head's matrix product: autocast's where it is on (as the model's own head would run)."""
+def product_dtype(h: torch.Tensor, head: LMHead) -> torch.dtype:
+    """The dtype of the head's matrix products for hidden states h: float64 stays (the exact tests), else the head's
+    dtype, else (None) autocast's where it is on, as the model's own head would run, else h's. Read once per call,
+    outside any block that turns autocast off, and used for both models' products."""
     kind = h.device.type
-    if h.dtype != torch.float64 and torch.is_autocast_enabled(kind):
+    if h.dtype == torch.float64:
+        return h.dtype
+    if head.dtype is not None:
+        return head.dtype
+    if torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return h.dtype
 
@@ -281,20 +298,24 @@ def head_scores(h: torch.Tensor, head: LMHead, tokens: torch.Tensor, h_ref: torc
     if head.weight.shape[0] != ref_head.weight.shape[0]:
         raise ValueError(f"head_scores: the policy's head has {head.weight.shape[0]} tokens and the reference's "
                          f"{ref_head.weight.shape[0]}: their vocabularies must match")
+    cd = product_dtype(h, head)  # one dtype for both models' products: pi = pi_ref gives kappa = 0 exactly
     ref_logp = None
     if ref_norm is None:
-        ref_logp, ref_norm = head_logprob(h_ref, ref_head, tokens)
+        ref_logp, ref_norm = head_logprob(h_ref, ref_head, tokens, cd)
     logp, k, ent = _HeadScores.apply(
         h, head.weight, head.bias, h_ref.detach(), ref_head.weight.detach(),
         None if ref_head.bias is None else ref_head.bias.detach(), tokens, head, ref_head, with_token_kl,
-        ref_norm[0].detach(), ref_norm[1].detach(), _compute_dtype(h))
+        ref_norm[0].detach(), ref_norm[1].detach(), cd)
     return Scores(logp, ref_logp, k if with_token_kl else None, ent if with_entropy else None)
 
 
 @torch.no_grad()
-def head_logprob(h: torch.Tensor, head: LMHead, tokens: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+def head_logprob(h: torch.Tensor, head: LMHead, tokens: torch.Tensor,
+                 cd: torch.dtype | None = None) -> tuple[torch.Tensor, tuple]:
     """([N] log pi(y), (m, log s) [N] each: the normaliser head_scores takes as ref_norm) of one model, without
-    gradient (a step's reference pass), the vocabulary reduced a tile at a time. h: [N, H]; tokens: [N]."""
+    gradient (a step's reference pass), the vocabulary reduced a tile at a time. h: [N, H]; tokens: [N]; cd: the
+    product's dtype (None: product_dtype(h, head), read here, before autocast is turned off for the tiles)."""
+    cd = product_dtype(h, head) if cd is None else cd
     with torch.autocast(h.device.type, enabled=False):
-        m, ls, zy, _, _ = _reduce(h, head, tokens, _compute_dtype(h), _acc(h.dtype), offsets=False)
+        m, ls, zy, _, _ = _reduce(h, head, tokens, cd, _acc(h.dtype), offsets=False)
     return (zy - m) - ls, (m, ls)

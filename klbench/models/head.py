@@ -93,13 +93,45 @@ def _post_gap(model, head: nn.Linear, spec: LMHead) -> float | None:
     return None if gap <= 1e-5 * 60 else gap
 
 
-def _with_head(model, head: nn.Module, replacement, run):
-    """run() with head.forward replaced (an instance attribute shadows the class's forward for one call)."""
-    head.forward = replacement
+@contextmanager
+def _forward_replaced(head: nn.Module, forward):
+    """head.forward replaced inside the block (an instance attribute shadows the class's forward); one set before
+    (head_precision's, under final_hidden's) is put back."""
+    before = head.__dict__.get("forward")
+    head.forward = forward
     try:
-        return run()
+        yield
     finally:
-        del head.forward
+        if before is None:
+            del head.forward
+        else:
+            head.forward = before
+
+
+def _with_head(model, head: nn.Module, replacement, run):
+    """run() with head.forward replaced for one call."""
+    with _forward_replaced(head, replacement):
+        return run()
+
+
+@contextmanager
+def head_precision(model, dtype: torch.dtype | None):
+    """Inside the block the model's own LM head runs its product in `dtype` with autocast off for it, and returns
+    logits in that dtype: model.head_dtype on the paths that call the model's head (rollouts, the logits path), as
+    head_scores runs it on the hidden-state path (LMHead.dtype), so that both paths and the sampler see one pi.
+    dtype None, a float64 head, or a head that is no plain nn.Linear: the model's own head, unchanged."""
+    head = output_head(model)
+    if dtype is None or type(head) is not nn.Linear or head.weight.dtype == torch.float64:
+        yield
+        return
+
+    def product(x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] in dtype
+        with torch.autocast(x.device.type, enabled=False):
+            b = None if head.bias is None else head.bias.to(dtype)
+            return nn.functional.linear(x.to(dtype), head.weight.to(dtype), b)
+
+    with _forward_replaced(head, product):
+        yield
 
 
 def final_hidden(model, L: int, **inputs) -> torch.Tensor:

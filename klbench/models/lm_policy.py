@@ -3,14 +3,17 @@ interface (klbench.models.interface): rollouts by the KV-cache loop (klbench.mod
 at a time (klbench.models.scoring)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from klbench.config.errors import ConfigError
 from klbench.estimators import KLBatch
 from klbench.estimators.sampling import Sampling, check_target
-from klbench.models.head import read_head
+from klbench.models.head import head_precision, read_head
 from klbench.models.interface import Policy, Rollout, response_mask
+from klbench.models.logits_budget import size_text
 from klbench.models.rollout import PLAIN, SAMPLERS, Sampler, stop_ids
 from klbench.models.scoring import Scoring
 
@@ -18,10 +21,12 @@ from klbench.models.scoring import Scoring
 class LMPolicy(Policy):
     """sampler: how rollouts are drawn (klbench.models.rollout); the KV-cache loop by default.
     sampling, kl_target: pi_s and the KL scored (klbench/estimators/sampling.py); eos_ids: the ids that end a
-    response, every one of them (None: the tokenizer's eos_token_id)."""
+    response, every one of them (None: the tokenizer's eos_token_id). logits_budget: bytes (model.logits_budget) that
+    a micro-batch's float32 [m, max_new_tokens, V] logits may take for the logits path to score it (by its cost: it
+    is the faster path where the logits are small, docs/scale.md); None: the hidden-state path wherever it serves."""
 
     def __init__(self, model, ref_model, tokenizer, max_new_tokens: int, sampler: Sampler | str = "kv_cache",
-                 sampling: Sampling = PLAIN, kl_target: str = "sampler", eos_ids=None):
+                 sampling: Sampling = PLAIN, kl_target: str = "sampler", eos_ids=None, logits_budget: int | None = None):
         super().__init__()
         self.model, self.ref, self.tok = model, ref_model, tokenizer
         self.ref.requires_grad_(False)
@@ -42,7 +47,14 @@ class LMPolicy(Policy):
         # why scoring keeps the logits (None: from hidden states), for the policy and the sampling; an estimator that
         # reads the whole distribution sets logits_reason (scoring_line)
         self.scoring_reason, self.logits_reason = self._read_heads(), None
+        if logits_budget is not None and (isinstance(logits_budget, bool) or int(logits_budget) != logits_budget
+                                          or logits_budget <= 0):
+            raise ValueError(f"LMPolicy: logits_budget must be a positive number of bytes or None, got {logits_budget!r}")
+        self.logits_budget = logits_budget
         self.rows_forwarded = 0  # sequences the policy has scored (the benchmarks count forwards per step)
+        # model.head_dtype: what the LM head's product runs in, on every path (head_scores' LMHead.dtype, the logits
+        # path and the rollouts through head_precision); None: autocast's, as the model's own head runs
+        self.head_dtype: torch.dtype | None = torch.float32
 
     def train(self, mode: bool = True) -> "LMPolicy":
         # dropout stays off in training too: the log-probs we differentiate must be those of the very
@@ -73,8 +85,10 @@ class LMPolicy(Policy):
         attn = enc.attention_mask.repeat_interleave(n, 0)  # [B*n, P]
         by_engine = engine and self.engine is not None  # task.sampler: an engine that is not the trainer draws
         model = self.engine.to(self.device).model if by_engine else self.model
-        s = self.sampler(model, ids, attn, self.max_new_tokens, self.eos_ids, self.tok.pad_token_id,
-                         sampling=self.sampling)
+        # the trainer's own model samples with the head's precision it is scored in (one pi); an engine with its own
+        with head_precision(model, None if by_engine else self.head_dtype):
+            s = self.sampler(model, ids, attn, self.max_new_tokens, self.eos_ids, self.tok.pad_token_id,
+                             sampling=self.sampling)
         resp = s.tokens  # [B*n, L]
         mask = response_mask(resp, self.eos_ids)
         texts = self.tok.batch_decode(torch.where(mask, resp, self.tok.pad_token_id), skip_special_tokens=True)
@@ -90,12 +104,14 @@ class LMPolicy(Policy):
         # that ignores logits_to_keep returns all positions: the L before the last are taken. No KV cache (as
         # klbench.models.scoring says)
         keep = torch.arange(T - L - 1, T - 1, device=ro.tokens.device)  # [L]
-        logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos, logits_to_keep=keep,
-                       use_cache=False).logits
+        with head_precision(model, self.head_dtype):
+            logits = model(input_ids=ro.tokens, attention_mask=ro.attention, position_ids=pos, logits_to_keep=keep,
+                           use_cache=False).logits
         return logits if logits.shape[1] == L else logits[:, -(L + 1):-1]
 
     def score(self, ro: Rollout, micro_batch_size: int | None = None, with_token_kl: bool = True,
-              logits: bool = False) -> KLBatch:
+              logits: bool | None = None) -> KLBatch:
+        # logits: True the logits path, False the hidden states where they serve, None the cheaper (logits_fit)
         # the parts' graphs are kept together: the caller backpropagates the whole batch (a step instead
         # backpropagates each part at once: klbench/tasks/step.py)
         scoring = Scoring(self, ro, micro_batch_size, with_token_kl, logits)
@@ -121,23 +137,50 @@ class LMPolicy(Policy):
         return None
 
     @property
+    def vocab(self) -> int:
+        """V: the size of the policy's next-token distribution (its output embedding's rows)."""
+        from klbench.models.head import output_head
+        head = output_head(self.model)
+        weight = getattr(head, "weight", None)
+        if weight is not None:
+            return int(weight.shape[0])
+        return int(self.model.config.get_text_config().vocab_size)
+
+    def logits_bytes(self, rows: int) -> int:
+        """Bytes of a micro-batch's float32 [rows, max_new_tokens, V] logits: what the logits path holds per tensor."""
+        return rows * self.max_new_tokens * self.vocab * 4
+
+    def logits_fit(self, rows: int) -> bool:
+        """Whether a micro-batch of `rows` sequences takes the logits path by its cost: its float32 logits fit
+        logits_budget (the rule of model.logits_budget; the longest response counts, so a run keeps one path)."""
+        return self.logits_budget is not None and self.logits_bytes(rows) <= self.logits_budget
+
+    @property
     def heads(self):
         """(policy LMHead at the target's temperature, reference LMHead), read from the models now (they may have
         moved device or dtype since), or None on the logits path."""
         if self.scoring_reason is not None:
             return None
         s, t = self.sampling, self.kl_target
-        pol, ref = read_head(self.model, check=False), read_head(self.ref, check=False)
+        pol, ref = (replace(read_head(m, check=False), dtype=self.head_dtype) for m in (self.model, self.ref))
         return pol.at(s.temperature if t != "model" else 1.0), ref.at(s.temperature if t in ("sampler", "tempered") else 1.0)
 
-    def scoring_line(self, estimator_reason: str | None = None) -> str:
-        """The start-up line that says how this run scores, and why where it keeps the logits."""
+    def scoring_line(self, estimator_reason: str | None = None, rows: int | None = None) -> str:
+        """The start-up line that says how this run scores, and why. rows: the sequences of a micro-batch (the
+        budget's [m, L, V]; None: not known, the budget not weighed)."""
         self.logits_reason = estimator_reason
         why = self.scoring_reason or estimator_reason
-        if why is None:
-            return ("scoring from final hidden states: log-probs, the exact KL over the vocabulary and the entropy "
-                    "a tile at a time, no [B, T, V] logits")
-        return f"scoring through the full [B, T, V] logits: {why}"
+        hidden = ("scoring from final hidden states: log-probs, the exact KL over the vocabulary and the entropy "
+                  "a tile at a time, no [B, T, V] logits")
+        if why is not None:
+            return f"scoring through the full [B, T, V] logits: {why}"
+        if self.logits_budget is None or rows is None:
+            return hidden
+        shape = f"a micro-batch's float32 [{rows}, {self.max_new_tokens}, {self.vocab}] logits ({size_text(self.logits_bytes(rows))})"
+        budget = f"model.logits_budget={size_text(self.logits_budget)}"
+        if self.logits_fit(rows):
+            return f"scoring through the [m, L, V] logits: {shape} fit {budget} (both paths are exact, docs/scale.md)"
+        return f"{hidden}: {shape} exceed {budget}"
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -154,8 +197,9 @@ class LMPolicy(Policy):
 
     def reference(self) -> "LMPolicy":
         ref = LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler, self.sampling, self.kl_target,
-                       self.eos_ids)
+                       self.eos_ids, self.logits_budget)
         ref.add_special_tokens = self.add_special_tokens  # the same prompts, tokenized alike
+        ref.head_dtype = self.head_dtype
         return ref
 
     @property

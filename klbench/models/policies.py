@@ -5,12 +5,15 @@ LMPolicy` keeps working.
 """
 from __future__ import annotations
 
+import torch
+
 from klbench.config.errors import ConfigError
 from klbench.console import messages as console
 from klbench.estimators.sampling import KL_TARGETS, Sampling, check_target
 from klbench.models.embedded import ensure_embedded_lm, preset_spec
 from klbench.models.interface import Policy, Rollout, has_distributions, response_mask, token_entropy
 from klbench.models.lm_policy import LMPolicy
+from klbench.models.logits_budget import size_bytes
 from klbench.models.pair_rules import check_kinds, context_refusal
 from klbench.models.rollout import PLAIN
 from klbench.models.scoring import ScoredBatch
@@ -94,7 +97,10 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     eos_ids = list(dict.fromkeys(i for i in (tok.eos_token_id, *stops) if i is not None))  # the tokenizer's first
     sampling = _generation_sampling(cfg, path, options, sampling, notices)
     _warn_target(sampling, kl_target)
-    return LMPolicy(model, ref, tok, max_new_tokens, sampling=sampling, kl_target=kl_target, eos_ids=eos_ids)
+    policy = LMPolicy(model, ref, tok, max_new_tokens, sampling=sampling, kl_target=kl_target, eos_ids=eos_ids,
+                      logits_budget=size_bytes(cfg.logits_budget))  # the scoring path by its cost
+    policy.head_dtype = torch.float32 if cfg.head_dtype == "float32" else None  # None: autocast's, as the model's
+    return policy
 
 
 def _warn_target(sampling: Sampling, kl_target: str) -> None:
