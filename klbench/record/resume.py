@@ -175,6 +175,34 @@ def check_config(payload: dict, cfg: DictConfig, path: str) -> None:
                             f"ckpt_allow_changes=[{keys}]")
 
 
+def check_ranks(path: str, cfg: DictConfig) -> None:
+    """The number of ranks as the checkpoint's run had it, told before the record reopens (issue 50: the same
+    refusal inside fit turned a FINISHED run FAILED). A checkpoint of several ranks holds each rank's RNG stream
+    (klbench.tasks.sharding.save_rank_rng), which an exact resume gives back to each; `hardware.devices` given as
+    `auto` is counted only in fit (klbench.tasks.sharding.rank_rng)."""
+    import torch
+    hw = cfg.hardware
+    devices = hw.get("devices")
+    if isinstance(devices, bool) or not (isinstance(devices, int) and devices >= 1 or OmegaConf.is_list(devices)):
+        return  # auto, -1 (all): counted by Lightning
+    multi = "ddp" in str(hw.get("strategy")) or hw.get("strategy") in ("fsdp2", "auto")
+    world = ((devices if isinstance(devices, int) else len(devices)) * int(hw.get("num_nodes") or 1)) if multi else 1
+    ranks = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("rng_ranks")
+    if ranks is not None and len(ranks) != world:
+        saved = (_section_of(path) or {}).get("config", {}).get("hardware") or {}
+        kind = "hardware=fsdp" if saved.get("strategy") == "fsdp2" else "hardware=ddp"
+        raise ResumeError(f"{path} was saved by {len(ranks)} {kind} ranks and this run has {world}: each rank's "
+                          f"samples continue its own random stream, so an exact resume needs hardware.devices x "
+                          f"hardware.num_nodes = {len(ranks)}")
+
+
+def _section_of(path: str) -> dict | None:
+    try:
+        return load_payload(path)
+    except ResumeError:
+        return None
+
+
 def load_policy_weights(policy, path: str, cfg: DictConfig, ckpt: dict | None = None) -> int:
     """Loads a klbench checkpoint's policy weights into `policy` (a torch module whose parameters the
     checkpoint's `policy.` entries name, as RecordCheckpoint saves them); returns the checkpoint's step.
