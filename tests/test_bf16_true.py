@@ -26,6 +26,7 @@ def test_a_bf16_true_run_trains_from_hidden_states(tmp_path, tiny_arch, capsys):
     out = run_task(compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={path}", f"model.ref_name_or_path={ref}",
                                      "hardware=bf16_true", "task.max_steps=2", "task.val_every=2",
                                      "task.prompts_per_step=2", "task.n_samples=2", "task.max_new_tokens=6",
-                                     "task.val_prompts=2", "logger=csv", "estimator=rb"]))
+                                     "task.val_prompts=2", "logger=csv", "estimator=rb",
+                                     "model.logits_budget=1"]))  # the hidden states (a tiny model's logits would fit)
     assert math.isfinite(out["val/seq_kl"]) and out["val/seq_kl"] > 0
     assert "klbench: scoring from final hidden states" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from klbench.models.pair_rules import check_tabular_pair, context_refusal
 from klbench.data.jsonl import read_rows
 from klbench.probe.config import ProbeOptions
 from klbench.config.groups import _check_group, _validated
-from klbench.config.resources import Hardware, _is_int
+from klbench.config.resources import Hardware, _LanguageModel, _is_int
 from klbench.config.training import BETA_MAX, SamplingFields, TaskRL
 
 # ---- rules across groups: each group alone is already valid ----
@@ -89,6 +89,10 @@ def _check_micro_batch(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str) -> 
     if OmegaConf.select(cfg, "teacher.gradient_checkpointing"):
         raise ConfigError("teacher.gradient_checkpointing=true: the teacher is the frozen pi_ref and computes no "
                           "gradient; checkpointing is the student's option (model.gradient_checkpointing)")
+    budget, declared = OmegaConf.select(cfg, "teacher.logits_budget"), _LanguageModel.model_fields["logits_budget"]
+    if budget is not None and budget != declared.default:  # the student's scoring path is the pair's
+        raise ConfigError(f"teacher.logits_budget={budget}: the pair is scored on one path, which the student's "
+                          "model.logits_budget chooses; leave the teacher's out")
     m = t.micro_batch_size
     if m is None:
         return

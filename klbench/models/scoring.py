@@ -5,8 +5,9 @@
         loss_fn(scoring.splice(part, i, j))   # the whole batch, rows i..j-1 live, the others frozen stand-ins
     scoring.whole()                           # every row's scores, assembled
 
-Two paths give the same numbers (tests/test_head_scores.py):
-- **hidden states** (the default): the policy's and the reference's final hidden states, and their LM heads
+Two paths give the same numbers (tests/test_head_scores.py); by cost, the logits path scores a micro-batch whose
+float32 [m, L, V] logits fit model.logits_budget (LMPolicy.logits_fit), the hidden states one above it:
+- **hidden states**: the policy's and the reference's final hidden states, and their LM heads
   (klbench.models.head), go to klbench.estimators.head_scores, which reduces the vocabulary a tile at a time.
   No [B, L, V] tensor exists, in forward or backward, for any estimator that reads log-probs, kappa and the
   entropy, at any temperature of the KL target.
@@ -89,15 +90,17 @@ def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 class Scoring:
     """One rollout's scoring by an LMPolicy (the module docstring). with_token_kl: compute the exact per-position KL
-    (the estimator differentiates it, or the step logs or controls with rb). logits: the logits path whatever the
-    policy's default (the probe measures top-k estimators)."""
+    (the estimator differentiates it, or the step logs or controls with rb). logits: True the logits path (the probe
+    measures top-k estimators), False the hidden states wherever they serve, None the cheaper by model.logits_budget."""
 
-    def __init__(self, policy, ro, micro_batch_size: int | None, with_token_kl: bool, logits: bool = False):
+    def __init__(self, policy, ro, micro_batch_size: int | None, with_token_kl: bool, logits: bool | None = None):
         self.policy, self.ro, self.with_token_kl = policy, ro, with_token_kl
         B = ro.tokens.shape[0]
         m = B if micro_batch_size is None else min(B, int(micro_batch_size))
         self.cuts = [(i, min(B, i + m)) for i in range(0, B, m)]
-        self.from_hidden = not logits and policy.logits_reason is None and policy.scoring_reason is None
+        # the logits path where it must serve (logits, a reason) or where a micro-batch's logits fit the budget (cheaper)
+        self.from_hidden = (policy.logits_reason is None and policy.scoring_reason is None
+                            and (logits is False or logits is None and not policy.logits_fit(m)))
         self.kept: list[ScoredBatch] = []
         self.ref = self._reference() if self.from_hidden else None
         self.context = self._context() if len(self.cuts) > 1 else None

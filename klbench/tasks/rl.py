@@ -76,8 +76,10 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         line = getattr(policy, "scoring_line", None)  # a language model says how it scores, once
         if line is not None:
             reads = getattr(self.estimator, "reads_logits", False)
+            rows = int(task_cfg["prompts_per_step"]) * int(task_cfg["n_samples"])  # a micro-batch's m (the budget's)
+            rows = min(rows, int(self.micro_batch_size or rows))
             print("klbench: " + line(f"estimator={estimator_cfg['name']} reads the whole next-token distribution"
-                                     if reads else None))
+                                     if reads else None, rows))
         self.strict_loading = False  # the frozen reference is not checkpointed
         self.val_rows: list[dict] = []
         self.sample_tables: list[tuple[int, list[dict]]] = []

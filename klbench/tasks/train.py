@@ -51,10 +51,8 @@ def check_config(cfg: DictConfig) -> None:
     check_devices(hw)  # hardware=fsdp: no more ranks than this machine's devices
     if hw.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ValueError(f"hardware.accelerator={hw.accelerator} but no CUDA GPU is visible; use hardware=cpu")
-    on_gpu = hw.accelerator in ("gpu", "cuda") or (hw.accelerator == "auto" and torch.cuda.is_available())
-    if str(hw.precision).startswith("bf16") and on_gpu and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"hardware.precision={hw.precision} (hardware=bf16 or bf16_true) but this GPU "
-                         f"({torch.cuda.get_device_name()}) does not support bfloat16: use hardware=gpu")
+    from klbench.config.device_checks import check_bf16
+    check_bf16(hw)  # hardware=bf16 or bf16_true on a GPU or CPU without bfloat16
 
 
 _ddp_store = None  # the store of local_ddp_store, alive until the process exits (or the next run's replaces it)
