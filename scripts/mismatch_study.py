@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-ENGINES = {"none": [], "bf16": ["task.sampler.precision=bf16"], "eager": ["task.sampler.attn_implementation=eager"],
-           "lag2": ["task.sampler.lag=2"]}
+ENGINES = {"none": [], "lag2": ["task.sampler.lag=2"], "bf16": ["task.sampler.precision=bf16"],
+           "eager": ["task.sampler.attn_implementation=eager"]}
 ESTIMATORS = {"rb/sampler": ["estimator=rb", "task.behaviour=sampler"],
               "rb/scorer": ["estimator=rb", "task.behaviour=scorer"],
               "loo/scorer": ["estimator=loo", "task.behaviour=scorer"],
@@ -35,12 +35,12 @@ ESTIMATORS = {"rb/sampler": ["estimator=rb", "task.behaviour=sampler"],
 MODELS = {"embedded": [], "tabular": ["experiment=tabular"]}
 
 
-def arms(model: str) -> list[tuple[str, list[str]]]:
+def arms(model: str, engines: list[str]) -> list[tuple[str, list[str]]]:
     """(name, overrides): without an engine behaviour has nothing to choose (one arm per estimator); eager
     attention is a language model's (rb only: its gap is the smallest); tabular has no attention."""
     out = []
     for engine, eo in ENGINES.items():
-        if engine == "eager" and model == "tabular":
+        if engine not in engines or engine == "eager" and model == "tabular":
             continue
         for est, so in ESTIMATORS.items():
             if engine == "none" and est == "rb/scorer" or engine == "eager" and not est.startswith("rb"):
@@ -60,17 +60,18 @@ def final_metrics(folder: Path) -> dict[str, float]:
     return out
 
 
-def run(model: str, steps: int, seeds: list[int], out: Path) -> Path:
+def run(model: str, steps: int, seeds: list[int], out: Path, engines: list[str], extra: list[str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{model}_runs.csv"
     done = {(r["arm"], r["seed"]) for r in csv.DictReader(open(path))} if path.exists() else set()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # one thread a run: on a shared 2-core machine torch's own threads fight the other processes' (docs/embedded.md)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     for seed in seeds:  # seeds outermost: a study stopped early still has every arm at the first seeds
-        for name, over in arms(model):
+        for name, over in arms(model, engines):
             if (name, str(seed)) in done:
                 continue
             folder = out / "runs" / model / f"{name.replace(' ', '_').replace('/', '-')}_s{seed}"
-            cmd = [sys.executable, "-m", "klbench.cli", *over, f"seed={seed}", f"task.max_steps={steps}",
+            cmd = [sys.executable, "-m", "klbench.cli", *over, *extra, f"seed={seed}", f"task.max_steps={steps}",
                    f"task.val_every={steps}", "logger=csv", f"hydra.run.dir={folder}", f"paths.outputs={out}/outputs"]
             t0 = time.time()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -152,13 +153,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=Path("outputs/mismatch_study"))
+    ap.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
+    ap.add_argument("--extra", nargs="*", default=[], help="more klbench overrides for every run (task.val_prompts=16)")
     ap.add_argument("--png", type=Path)
     ap.add_argument("--plot-only", action="store_true", help="summarise and plot the runs already in --out")
     a = ap.parse_args()
     models = a.model or list(MODELS)
     summaries = {}
     for model in models:
-        path = a.out / f"{model}_runs.csv" if a.plot_only else run(model, a.steps, a.seeds, a.out)
+        path = a.out / f"{model}_runs.csv" if a.plot_only else run(model, a.steps, a.seeds, a.out, a.engines, a.extra)
         if path.exists():
             summaries[model] = summarise(path)
             print(f"\n{model}:\n" + markdown(summaries[model]))
