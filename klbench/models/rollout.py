@@ -11,7 +11,8 @@ temperature 1), a softmax, one torch.multinomial draw per row and step, no other
 a run then regularises is its KL target (klbench/estimators/sampling.py, docs/sampling.md). It draws exactly
 as generate(do_sample=True, temperature=T, top_k=k, top_p=p) does in transformers 5.x: the same logits
 (left-padded prefill with positions counted from each row's first real token, the mask dropped when nothing
-is padded, logits of the last position only, every step through the model's own forward), the same warpers,
+is padded, logits of the last position only, every step through the model's own forward, or for a plain GPT-2
+through klbench/models/gpt2_decode.py, the same bits in two thirds of the CPU time), the same warpers,
 and multinomial's own arithmetic on the same draws. Under one seed the tokens are identical
 (tests/test_rollout.py), and the RNG stream after a rollout is too, so a run's later steps do not move either.
 Every id of `eos_ids` ends a row (instruct models list several: Llama-3.1's [128001, 128008, 128009]), as
@@ -20,8 +21,9 @@ generate(eos_token_id=[...]) does.
 Where the time went on CPU (the peer job of docs/running.md, 32 rows x 2,000 tokens): the Exp(1)
 noise behind each multinomial draw was a serial kernel as long as a whole decode step (exp_noise
 draws the same values in a third of the time). Hand-written decode steps for GPT-2 and the rotary
-decoders, which repeated transformers 5.24.0's internals, were removed: they halved a tiny model's step
-but saved under 1% of a step at 0.5B parameters and above (docs/scale.md, "Decode forks").
+decoders, which repeated transformers 5.24.0's internals, were removed: they saved under 1% of a step at 0.5B
+parameters and above (docs/scale.md, "Decode forks"). The GPT-2 one is back (issue 54): the embedded LM's
+rollout took 1.5x its CPU time without it, and the rollout is most of the default run (docs/scale.md).
 
 What generate() does per token that this loop does not: build and run its logits-processor and
 stopping-criteria lists, re-derive its model inputs from a kwargs dict, and honour the rest of the model's
@@ -41,6 +43,7 @@ from typing import Protocol, Sequence
 import torch
 
 from klbench.estimators.sampling import Sampling
+from klbench.models.gpt2_decode import gpt2_decoder
 
 PLAIN = Sampling()
 
@@ -76,7 +79,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                     eos_ids: int | Sequence[int], pad_id: int, sampling: Sampling = PLAIN,
-                    threads: int | None = None) -> Samples:
+                    threads: int | None = None, fused: bool = True) -> Samples:
     """max_new_tokens (or fewer, once every row has emitted a stop id) tokens per row, y ~ pi_s.
 
     input_ids, attention_mask: [B, P] left-padded prompts. Device and dtype are the model's: the same
@@ -86,6 +89,8 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     threads: torch threads the loop runs with on CPU, restored afterwards (None: the process's). The
     tokens do not depend on it. One thread was 12x faster on a heavily loaded 2-core machine and up to
     15% slower on a quieter one (docs/embedded.md, "Rollouts"), so the default leaves it to the process.
+    fused: decode a plain GPT-2 with klbench/models/gpt2_decode.py's step (the forward's bits); other models, or
+    fused=False, decode through the model's forward.
     """
     if max_new_tokens < 1:
         raise ValueError(f"kv_cache_sample: max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -95,7 +100,7 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     try:
         with torch.inference_mode(), attention_backends(input_ids.device):
             tokens, logp = _sample_loop(model, input_ids, attention_mask, max_new_tokens, stop_ids(eos_ids), pad_id,
-                                        sampling)
+                                        sampling, fused)
     finally:
         torch.set_num_threads(previous)
     bad = ~torch.isfinite(logp)  # [B, L] torch.multinomial would have refused these probabilities
@@ -146,8 +151,8 @@ class _ForwardStep:
         return out.logits[:, -1]
 
 
-def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_id, sampling):
-    B = input_ids.shape[0]
+def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_id, sampling, fused=True):
+    B, P = input_ids.shape
     pos = position_ids_from_mask(attention_mask)  # [B, P]
     # no padding: no mask at all, as generate() does (SDPA then takes its causal path: the same bits)
     mask = attention_mask if not bool(attention_mask.all()) else None
@@ -161,7 +166,8 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_
                          "(pip install -U 'transformers>=5.24'), or, for a folder's own code "
                          "(model.trust_remote_code=true), load the architecture transformers ships "
                          "(model.trust_remote_code=false)")
-    decode = _ForwardStep(model, cache, mask)
+    own = fused and gpt2_decoder(model, cache, mask, P + max_new_tokens)  # None: not a plain GPT-2
+    decode = own or _ForwardStep(model, cache, mask)
     logits = out.logits[:, -1]  # [B, V]
     del out, cache  # the prefill's logits and cache: the decoder holds what it needs
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)  # [B] rows past their stop id
