@@ -135,6 +135,14 @@ def _main(cfg: DictConfig, once: bool = False) -> tuple[float, float] | None:
             fail(str(e))
         if why := store_failure(e, str(OmegaConf.select(cfg, "logger.tracking_uri", default="") or "")):
             fail(f"{why}; no run was recorded: start it again once the store is back")
+        if isinstance(e, FloatingPointError):  # non-finite logits, a NaN metric: the message names the cause
+            fail(str(e).splitlines()[0])
+        if isinstance(e, MemoryError):  # task.prompts_per_step=1000000000: a 23-line MemoryError (issue 50)
+            t = cfg.task
+            sizes = ", ".join(f"task.{k}={t[k]}" for k in ("prompts_per_step", "n_samples", "val_prompts",
+                                                          "max_new_tokens", "micro_batch_size") if k in t)
+            fail(f"out of memory building or running the run ({sizes}): lower the batch sizes (task.micro_batch_size "
+                 "splits a step's batch without changing it)")
         raise
     if cfg.task.name not in TRAINING:  # a sweep's objective is a training run's (reward, KL)
         return None

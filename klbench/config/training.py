@@ -25,8 +25,14 @@ _ProbeFields = create_model("ProbeFields", __base__=Options,
 
 # how rollouts sample and which KL the run regularises: klbench/estimators/sampling.py (Sampling), with the names
 # and rules of klbench/estimators/targets.py, which this module reads without torch
-TEMPERATURE = ("a finite number > 0 (temperature 0, greedy decoding, is refused for training: it samples a point "
-               "mass, on which no KL estimator is defined)")
+# Beyond these the sampler is a point mass or uniform to float32 precision (issue 50: 1e-30 and 1e30 trained nothing,
+# loss 0 and every KL 0): below T_MIN, exp((l2 - l1) / T) underflows (< e^-104) for any two logits 1e-6 apart, the
+# float32 spacing of logits near 10, so pi_s is the argmax; above T_MAX, (l - l_max) / T is under 6e-8 for logit
+# spans below 60, and exp rounds it to 1: pi_s is uniform.
+T_MIN, T_MAX = 1e-8, 1e9
+TEMPERATURE = (f"a finite number > 0, within [{T_MIN:g}, {T_MAX:g}] (temperature 0, greedy decoding, is refused "
+               f"for training: it samples a point mass, on which no KL estimator is defined; below {T_MIN:g} the "
+               f"sampler is that point mass to float precision, above {T_MAX:g} it is uniform to float precision)")
 
 
 class SamplingFields(Options):
@@ -37,7 +43,7 @@ class SamplingFields(Options):
     (docs/sampling.md): sampler = KL(pi_s || pi_ref,T), the sampler against the reference at its temperature;
     model = KL(pi || pi_ref), pi_s a behaviour policy (off-policy estimators, no truncation); tempered =
     KL(pi_T || pi_ref,T) over the full vocabulary (TRL, verl); tempered_vs_raw = KL(pi_T || pi_ref) (tinker #689)."""
-    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False), Expect(TEMPERATURE)] = 1.0
+    temperature: Annotated[float, Field(ge=T_MIN, le=T_MAX, allow_inf_nan=False), Expect(TEMPERATURE)] = 1.0
     top_k: Annotated[int, Field(ge=0), Expect("an integer >= 0 (0: no top-k cut)")] = 0
     top_p: Annotated[float, Field(gt=0, le=1), Expect("a number in (0, 1] (1: no top-p cut)")] = 1.0
     kl_target: Literal[tuple(KL_TARGETS)] = "sampler"

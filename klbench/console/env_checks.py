@@ -7,33 +7,22 @@ variable), flags read as on/off (KLBENCH_VERBOSE), or set by klbench itself for 
 KLBENCH_OPTUNA_RETRY_S is checked where the sweep starts (klbench.sweep.storage.retry_budget)."""
 from __future__ import annotations
 
-import math
-import os
+from klbench.record.env_values import EnvError, positive_seconds, stop_timeout
+
+__all__ = ["EnvError", "PROGRESS_SECONDS", "progress_seconds", "check_environment"]
 
 PROGRESS_SECONDS = "KLBENCH_PROGRESS_SECONDS"
 PROGRESS_DEFAULT = 60.0
 
 
-class EnvError(ValueError):
-    """A KLBENCH_* variable holds a value klbench cannot use; the message names it."""
-
-
 def progress_seconds() -> float:
     """$KLBENCH_PROGRESS_SECONDS (the longest wait between two progress lines), a number > 0; 60 if unset or empty.
     0 or a negative value was taken as "a line every step" without a word: refused as the typo it likely is."""
-    raw = os.environ.get(PROGRESS_SECONDS, "").strip()
-    if raw == "":
-        return PROGRESS_DEFAULT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise EnvError(f"{PROGRESS_SECONDS}={raw!r}: expected the longest wait in seconds between two progress "
-                       f"lines, a number > 0 (unset: {PROGRESS_DEFAULT:g})")
-    return value
+    return positive_seconds(PROGRESS_SECONDS, PROGRESS_DEFAULT,
+                            "the longest wait in seconds between two progress lines")
 
 
 def check_environment() -> None:
     """EnvError for the first KLBENCH_* variable whose value klbench cannot use."""
     progress_seconds()
+    stop_timeout()  # KLBENCH_STOP_TIMEOUT_S

@@ -52,12 +52,32 @@ def output_head(model) -> nn.Module | None:
 def _settings(config) -> tuple[float, float | None]:
     """(scale, softcap) of transformers' post-processing of the head's output, from the (text) config."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    scale = float(getattr(text, "logit_scale", None) or 1.0)  # Cohere: logits * logit_scale
-    divide = getattr(text, "logits_scaling", None)  # Granite: logits / logits_scaling
+    scale = _number(text, "logit_scale") or 1.0  # Cohere: logits * logit_scale
+    divide = _number(text, "logits_scaling")  # Granite: logits / logits_scaling
     if divide:
-        scale /= float(divide)
-    cap = getattr(text, "final_logit_softcapping", None)  # Gemma 2, Gemma 3
-    return scale, float(cap) if cap else None
+        scale /= divide
+    cap = _number(text, "final_logit_softcapping")  # Gemma 2, Gemma 3
+    return scale, cap or None
+
+
+def _number(config, key: str) -> float | None:
+    """config.<key> as a finite number (None if absent); ConfigError naming the key otherwise: `logit_scale: "abc"`
+    in a config.json was a 34-line ValueError (issue 50)."""
+    import math
+
+    from klbench.config.errors import ConfigError
+    value = getattr(config, key, None)
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number):
+        where = getattr(config, "_name_or_path", "") or "the model folder"
+        raise ConfigError(f"{key}={value!r} in {where}'s config.json: the model's logits post-processing needs a "
+                          "finite number there; fix the config.json")
+    return number
 
 
 def read_head(model, check: bool = True) -> LMHead | str:

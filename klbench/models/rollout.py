@@ -106,8 +106,10 @@ def kv_cache_sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     bad = ~torch.isfinite(logp)  # [B, L] torch.multinomial would have refused these probabilities
     if bool(bad.any()):
         step = int(bad.any(0).int().argmax())
+        from klbench.models.nonfinite import nonfinite_cause
         raise FloatingPointError(f"kv_cache_sample: non-finite logits at response step {step} "
-                                 f"(rows {bad[:, step].nonzero().flatten().tolist()[:8]})")
+                                 f"(rows {bad[:, step].nonzero().flatten().tolist()[:8]})"
+                                 + nonfinite_cause(model, sampling))
     # out of inference mode: the scoring pass feeds these to an embedding whose backward saves its indices
     return Samples(tokens.clone(), logp.clone())
 

@@ -63,6 +63,8 @@ def _handler(signum: int, frame) -> None:
     global received, _deferred_since
     if received is None:
         received = signum
+        if _ranks() > 1:  # a rank stuck in a collective never gets back to Python: bounded (issue 50)
+            watchdog(signum)
     if signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is not _handler:
         return  # Lightning's handler called this one: it stops at the next step (SIGTERMException)
     if _early:  # Hydra is still loading or composing the config: no run folder, nothing recorded
@@ -136,6 +138,57 @@ def release(e: BaseException) -> None:
         traceback.clear_frames(e.__traceback__)  # frames still executing (the caller's) are left as they are
         e = e.__cause__ or e.__context__
     gc.collect()  # the cursor and its statement may sit in a reference cycle
+
+
+# ---- a stop that does not end: a rank stuck in a collective (issue 50) ----
+
+_on_stuck: list = []  # what to do before the process ends itself: klbench.record.lifecycle marks the run KILLED
+_stop_done = threading.Event()
+
+
+def _ranks() -> int:
+    """The process group's size where one is up (torch imported and initialised), else 1."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist.get_world_size() if dist is not None and dist.is_available() and dist.is_initialized() else 1
+    except Exception:  # noqa: BLE001 - a signal handler must not fail on torch's state
+        return 1
+
+
+def stop_timeout() -> float:
+    from klbench.record.env_values import STOP_TIMEOUT_DEFAULT, stop_timeout as read
+    try:
+        return read()
+    except ValueError:  # refused by the CLI at start; a rank started otherwise keeps the default
+        return STOP_TIMEOUT_DEFAULT
+
+
+def watchdog(signum: int, timeout: float | None = None, end=os._exit) -> threading.Thread:
+    """A rank of a multi-process run (ddp, fsdp) got `signum`: if the process has not ended `timeout` seconds later
+    (a rank blocked in a collective that its peers never join: Python's handlers and Lightning's stop never run
+    there, and the job held its allocation until its time limit), the run is marked KILLED (_on_stuck), one line
+    says why, and the process ends with 128 + signum. A daemon thread: a process that ends sooner ends it."""
+    timeout = stop_timeout() if timeout is None else timeout
+
+    def wait() -> None:
+        if _stop_done.wait(timeout):
+            return
+        for mark in list(_on_stuck):
+            try:
+                mark(signum)
+            except Exception:  # noqa: BLE001 - ending the process matters more than the mark
+                pass
+        print(f"klbench: stopped by {name(signum)}, but this rank had not ended {timeout:g} s later (blocked in a "
+              f"collective its peers never joined): ending it now (KLBENCH_STOP_TIMEOUT_S)", file=sys.stderr, flush=True)
+        end(128 + signum)
+    thread = threading.Thread(target=wait, name="klbench-stop-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def stop_finished() -> None:
+    """The stop ended (the process is about to exit): the watchdog has nothing left to do."""
+    _stop_done.set()
 
 
 def name(signum: int) -> str:

@@ -73,6 +73,11 @@ def recorded(logger):
     if not isinstance(logger, RecordLogger):
         yield
         return
+
+    def stuck(signum: int) -> None:  # a rank blocked after a signal ends itself (interrupts.watchdog): KILLED first
+        _end_quietly(logger, "KILLED", f"interrupted: {interrupts.name(signum)}; the ranks did not stop in time "
+                     "(blocked in a collective)", commit=False, retries=0)
+    interrupts._on_stuck.append(stuck)
     try:
         yield
     except Exception as e:
@@ -90,6 +95,8 @@ def recorded(logger):
         if sig:  # the CLI says where the run is and how to resume it, and exits 128 + sig
             raise interrupts.Stopped(sig, logger.run_id, marked) from e
         raise
+    finally:
+        interrupts._on_stuck.remove(stuck)
 
 
 class RecordUnavailable(RuntimeError):

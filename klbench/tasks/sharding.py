@@ -140,3 +140,64 @@ def grad_norm(policy) -> torch.Tensor:
         from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
         return lightning_grad_norm(policy, norm_type=2).get("grad_2.0_norm_total", torch.tensor(0.0))
     return torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
+
+
+# ---- SIGTERM to a multi-process run: every rank stops at the same step (issue 50) ----
+
+def stop_together(trainer) -> None:
+    """Lightning's SIGTERM handler (2.6) broadcasts from inside the handler, on each rank, whatever collective the
+    rank is in at that moment: rank 0's broadcast met rank 1's FSDP all-gather, and both ranks waited in
+    futex_do_wait for good (1 try in 6). And each rank raised its stop at the end of its own step, from its own
+    flag: rank 1 could leave first, and Lightning's child-process observer then SIGKILLed rank 0 before it marked
+    the run KILLED (1 in 6). Here the handler only notes the signal (and passes it to the ranks it launched), and
+    the collective at the start of every step (TrainingEpochLoop._broadcast_sigterm_tensor, which every rank runs at
+    the same point) hands rank 0's note to all: every rank stops at the same step. A rank stuck all the same is
+    ended by klbench.record.interrupts.watchdog."""
+    import types
+    if trainer.world_size <= 1:
+        return
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+    connector, loop = trainer._signal_connector, trainer.fit_loop.epoch_loop
+    connector.sigterm_noted = False
+
+    def note(self, signum, frame) -> None:
+        if not self.sigterm_noted:
+            self.sigterm_noted = True
+            launcher = self.trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # the ranks this process started (they only note it too)
+
+    def broadcast(self) -> None:
+        dist = torch.distributed
+        flag = torch.tensor([1 if connector.sigterm_noted else 0], device=self.trainer.strategy.root_device)
+        dist.broadcast(flag, src=0)  # rank 0's note, at the same point on every rank
+        if flag.item() == 1:
+            connector.received_sigterm = True  # Lightning's own checks after the step see it from here on
+            dist.barrier()
+            raise SIGTERMException()
+
+    connector._sigterm_notifier_fn = types.MethodType(note, connector)
+    loop._broadcast_sigterm_tensor = types.MethodType(broadcast, loop)
+    _spare_the_stopping_launcher()
+
+
+def _spare_the_stopping_launcher() -> None:
+    """Lightning's child-process observer (in the launching rank 0) SIGKILLs rank 0 when a rank it launched exits
+    non-zero. A rank stopped by SIGTERM exits 143 while rank 0 marks the run KILLED: the observer's SIGKILL left it
+    RUNNING. While rank 0 is itself stopping on a signal, the observer leaves rank 0 alone (it still ends the other
+    ranks); rank 0 ends on its own, or by klbench.record.interrupts.watchdog if blocked."""
+    from lightning.fabric.strategies.launchers import subprocess_script
+    observer = subprocess_script._ChildProcessObserver
+    if getattr(observer, "_klbench_spared", False):
+        return
+    terminate_all = observer._terminate_all
+
+    def spare(self) -> None:
+        from klbench.record import interrupts
+        if interrupts.received is None:
+            return terminate_all(self)
+        for p in self._child_processes:
+            p.send_signal(self._termination_signal)
+    observer._terminate_all = spare
+    observer._klbench_spared = True
+

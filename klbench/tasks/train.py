@@ -114,6 +114,10 @@ def build_data(cfg: DictConfig, fixed_prompt: str | None = None, policy=None) ->
         return PromptData([prompt] * t.prompts_per_step * 64, [prompt] * t.val_prompts,
                           t.prompts_per_step, t.val_prompts, cfg.seed)
     train, val = load_prompts(cfg.dataset, policy)
+    if len(train) < t.prompts_per_step:  # PromptData's ValueError was a traceback (issue 50)
+        from klbench.config.errors import ConfigError
+        raise ConfigError(f"task.prompts_per_step={t.prompts_per_step}: the dataset has {len(train)} train prompts; "
+                          f"choose at most {len(train)}, or a dataset with more")
     if policy is not None:
         check_prompt_lengths(cfg.dataset, policy, train, val[:t.val_prompts])
     return PromptData(train, val, t.prompts_per_step, t.val_prompts, cfg.seed)
@@ -134,13 +138,16 @@ def build_trainer(cfg: DictConfig, logger, max_steps: int, val_every: int) -> pl
     if hw.strategy == "fsdp2":  # hardware=fsdp: FSDP2 through ModelParallelStrategy (klbench/tasks/sharding.py)
         from klbench.tasks.sharding import trainer_arguments
         parallel = trainer_arguments(hw)
-    return pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, **parallel,
+    trainer = pl.Trainer(plugins=plugins, accelerator=hw.accelerator, devices=hw.devices, **parallel,
                       num_nodes=hw.num_nodes, max_steps=max_steps, val_check_interval=val_every,
                       check_val_every_n_epoch=None, logger=logger, callbacks=[ckpt, *bar, *progress.lines(), RankHosts()],
                       enable_checkpointing=False,
                       enable_progress_bar=bool(bar),
                       gradient_clip_val=cfg.task.grad_clip, log_every_n_steps=1,
                       num_sanity_val_steps=0, enable_model_summary=False, deterministic=False)
+    from klbench.tasks.sharding import stop_together
+    stop_together(trainer)  # SIGTERM: every rank stops at the same step, none blocked (issue 50)
+    return trainer
 
 
 def run_task(cfg: DictConfig) -> dict[str, float]:
