@@ -252,9 +252,9 @@ class _HeadScores(torch.autograd.Function):
                         d = c[rows] if g_e is None else torch.addcmul(c[rows], z, k_e[rows], value=-1)
                     else:
                         if linear_ref:
-                            d = torch.addmm(z, h_ref[r0:r1] * -s_r, ref_head.weight[v0:v1].t())  # [r, vb] z - r
+                            d = torch.addmm(z, h_ref[r0:r1].to(cd) * -s_r, ref_head.weight[v0:v1].to(cd).t())  # z - r
                             if ref_head.bias is not None:
-                                d.sub_(ref_head.bias[v0:v1] * s_r)
+                                d.sub_(ref_head.bias[v0:v1].to(cd) * s_r)
                         else:
                             d = _tile(h_ref[r0:r1], ref_head, v0, v1, cd, acc)
                             d = torch.sub(z, d, out=d)

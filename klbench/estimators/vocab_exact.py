@@ -206,8 +206,9 @@ class _TokenScores(torch.autograd.Function):
             x, r = logits[i].to(acc), ref_logits[i].to(acc)  # [c, V] each
             lse[i] = torch.logsumexp(x, -1)
             logp, logq = torch.log_softmax(x, -1), torch.log_softmax(r, -1)  # [c, V] each
-            # log_softmax is (r - max) - log sum exp(r - max), so its max is exactly -log sum: two reads, no exp
-            lse_q[i] = r.amax(-1) - logq.amax(-1)
+            # the reference's normaliser by the very function that gives the policy's: at pi = pi_ref the two are the
+            # same bits, so backward's shift, and rb's gradient there, are exactly 0 (in bf16 as in float32)
+            lse_q[i] = torch.logsumexp(r, -1)
             kappa[i] = logp.exp().mul_(logp.sub_(logq)).sum(-1)  # as exact_token_kl
         # backward's log p - log q - kappa = z - r - shift, with no log-softmax of either model
         shift = lse - lse_q + kappa  # [B, T]
