@@ -175,6 +175,17 @@ def check_config(payload: dict, cfg: DictConfig, path: str) -> None:
                             f"ckpt_allow_changes=[{keys}]")
 
 
+def check_nodes(payload: dict, cfg: DictConfig, path: str) -> None:
+    """hardware.num_nodes as the checkpoint's run had it. Another node count moves every rank but rank 0 to another
+    node and another place in the ranks' order, so a multi-node run resumes on its own count of nodes only (the
+    ranks' count is checked again where each rank takes its RNG stream: klbench.tasks.sharding.rank_rng)."""
+    saved = int(((payload["config"].get("hardware") or {}).get("num_nodes")) or 1)  # before it was saved: 1 node
+    now = int(cfg.hardware.num_nodes)
+    if saved != now and not _allows(cfg, "hardware.num_nodes", "hardware"):
+        raise ResumeError(f"{path} was saved by a run on hardware.num_nodes={saved} and this one asks for {now}: "
+                          f"resume it with hardware.num_nodes={saved} (and hydra.launcher.nodes={saved} under SLURM)")
+
+
 def check_ranks(path: str, cfg: DictConfig) -> None:
     """The number of ranks as the checkpoint's run had it, told before the record reopens (issue 50: the same
     refusal inside fit turned a FINISHED run FAILED). A checkpoint of several ranks holds each rank's RNG stream

@@ -226,6 +226,7 @@ def _resume_from(cfg: DictConfig) -> tuple[str | None, dict | None]:
             return None, None
         payload = resume.load_payload(ckpt_path)
         resume.check_config(payload, cfg, ckpt_path)
+        resume.check_nodes(payload, cfg, ckpt_path)  # another hardware.num_nodes: one line, run unchanged
         resume.check_ranks(ckpt_path, cfg)  # in fit it came after the record reopened: FINISHED became FAILED
         resume.check_run(payload, cfg, ckpt_path)
         folder_run.check_resume_store(cfg, payload)
