@@ -1,7 +1,8 @@
 """Does the sampler's mismatch bend the frontier? Each real mismatch of task.sampler (a bf16 engine for a float32
 trainer, eager attention against the trainer's sdpa, a lag of 2 optimiser steps) against none, with rb, loo and seq,
 rb with task.behaviour=sampler (the engine's log-probs as the behaviour policy) and =scorer (the trainer's: the
-mismatch hidden from the KL term), over seeds. Each run is a klbench subprocess (logger=csv); the final val/reward
+mismatch hidden from the KL term), rb/sampler with the reward term corrected too (+pg: task.pg_correction.mode=
+sequence_truncate), over seeds. Each run is a klbench subprocess (logger=csv); the final val/reward
 and val/seq_kl (the trainer's KL(pi || pi_ref), from the trainer's own samples; exact on tabular) of each are read
 from its metrics.csv, with the run's mean train/mismatch_k1 and train/mismatch_chi2.
 
@@ -33,6 +34,9 @@ ESTIMATORS = {"rb/sampler": ["estimator=rb", "task.behaviour=sampler"],
               "loo/scorer": ["estimator=loo", "task.behaviour=scorer"],
               "seq/scorer": ["estimator=seq", "task.behaviour=scorer"]}
 MODELS = {"embedded": [], "tabular": ["experiment=tabular"]}
+# the PG correction of the +pg arms (klbench/estimators/pg_correction.py): pi / pi_s over the sequence, capped at 3
+# (TRL's clip_max), whose expected gradient is grad E_pi[R] exactly while no weight reaches the cap
+PG = ["task.pg_correction.mode=sequence_truncate"]
 
 
 def arms(model: str, engines: list[str]) -> list[tuple[str, list[str]]]:
@@ -47,6 +51,8 @@ def arms(model: str, engines: list[str]) -> list[tuple[str, list[str]]]:
                 continue
             name = f"{engine} {est.split('/')[0] if engine == 'none' else est}"
             out.append((name, MODELS[model] + eo + so))
+            if engine != "none" and est == "rb/sampler":  # the reward term corrected too: sequence-level weights
+                out.append((f"{name}+pg", MODELS[model] + eo + so + PG))
     return out
 
 
@@ -130,7 +136,7 @@ def plot(summaries: dict[str, list[dict]], png: Path) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(summaries), figsize=(6.5 * len(summaries), 5), squeeze=False)
     colours = {"none": "black", "bf16": "tab:blue", "eager": "tab:green", "lag2": "tab:red"}
-    markers = {"rb/sampler": "o", "rb/scorer": "s", "loo/scorer": "^", "seq/scorer": "v", "rb": "o", "loo": "^",
+    markers = {"rb/sampler+pg": "D", "rb/sampler": "o", "rb/scorer": "s", "loo/scorer": "^", "seq/scorer": "v", "rb": "o", "loo": "^",
                "seq": "v"}
     for ax, (model, rows) in zip(axes[0], summaries.items()):
         for r in rows:

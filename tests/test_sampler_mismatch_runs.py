@@ -91,6 +91,11 @@ BAD = [
     (["model=embedded", "task.sampler.precision=bf16", "hardware=fsdp", "hardware.devices=2"],
      "task.sampler.precision=bf16 copies the whole policy into a rollout engine, and hardware=fsdp"),
     (["task.behaviour=engine"], "task.behaviour"),
+    (["experiment=tabular", "task.pg_correction.mode=token_mask"], "task.pg_correction.mode=token_mask: with "
+     "model=tabular the sampler is the table itself"),
+    (["experiment=tabular", "task.sampler.lag=1", "task.pg_correction.mode=token_mask", "task.inner_steps=2",
+      "task.val_every=2", "task.max_steps=4", "estimator=in_reward"], "task.pg_correction.mode=token_mask with "
+     "task.inner_steps=2"),
 ]
 
 
@@ -115,3 +120,14 @@ def test_a_precision_the_device_cannot_run_is_one_line(tmp_path, monkeypatch):
         check_config(compose_cfg(tmp_path, ["model=embedded", "task.sampler.precision=float16"]))
     assert str(e.value) == ("task.sampler.precision=float16: this cpu cannot run torch.float16 (\"addmm_impl_cpu_\" "
                             "not implemented for 'Half'); use task.sampler.precision=bf16 or same")
+
+
+def test_the_pg_correction_weights_the_engines_samples(tmp_path):
+    """task.pg_correction in a run: the reward term's weights pi / pi_s of a lagged engine's samples are logged
+    (train/pg_weight_*), 1 exactly while the engine still holds the weights the trainer has (step 0)."""
+    run_task(compose_cfg(tmp_path, ["experiment=tabular", "task.sampler.lag=1", "task.max_steps=6", "task.val_every=6",
+                                    "task.log_every=1", "task.pg_correction.mode=sequence_truncate", "logger=csv"]))
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("train/pg_weight_mean")]
+    w = {int(r["step"]): float(r["train/pg_weight_mean"]) for r in rows}
+    assert sorted(w) == list(range(6)) and w[0] == 1.0  # step 0: the engine holds the trainer's own weights
+    assert all(w[s] != 1.0 for s in range(1, 6))  # step s draws with step s - 1's

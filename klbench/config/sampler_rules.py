@@ -8,16 +8,27 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel
 
 from klbench.config.errors import ConfigError
-from klbench.config.training import TaskRL, engine_truncation
+from klbench.config.training import TaskRL
 from klbench.estimators.options import corrects_off_policy
 from klbench.estimators.targets import truncates
+from klbench.models.sampler_lines import engine_truncation
 
 
 def check_sampler(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str) -> None:
     """t, e: the validated task and estimator. Nothing to check while the sampler is the trainer."""
     given = t.sampler if isinstance(t.sampler, dict) else t.sampler.model_dump()
     s = SimpleNamespace(**given)
+    pg = getattr(t, "pg_correction", None)
+    mode = (pg.get("mode") if isinstance(pg, dict) else getattr(pg, "mode", "none")) or "none"
+    if mode != "none" and t.inner_steps > 1:
+        raise ConfigError(f"task.pg_correction.mode={mode} with task.inner_steps={t.inner_steps}: the correction "
+                          "weights the on-policy REINFORCE term, and inner steps train PPO's clipped surrogate on "
+                          "pi_old's samples instead; use one of the two")
     if (s.precision, s.attn_implementation, s.lag) == ("same", "same", 0):
+        if mode != "none" and model == "tabular" and t.kl_target != "model":
+            raise ConfigError(f"task.pg_correction.mode={mode}: with model=tabular the sampler is the table itself "
+                              "and keeps no log-probs of its own; set task.sampler.* (an engine that is not the "
+                              "trainer) or mode=none")
         return
     what = ", ".join(f"task.sampler.{k}={v}" for k, v in given.items() if v not in ("same", 0))
     if model == "tabular" and s.attn_implementation != "same":

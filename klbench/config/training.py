@@ -56,13 +56,6 @@ SAMPLER_ATTENTION = ("same", "eager", "sdpa")
 BEHAVIOURS = ("sampler", "scorer")
 
 
-def engine_truncation(engine: str, sampling: str) -> str:
-    """The one line that refuses task.behaviour=sampler for an engine that is not the trainer, under truncation."""
-    return (f"task.behaviour=sampler with task.sampler's {engine} and a truncating sampler ({sampling}): the engine "
-            "cuts top-k/top-p on its own logits, so it may never draw tokens the trainer's pi_s keeps, and no "
-            "importance weight can fix that; sample without top_k/top_p, or use task.behaviour=scorer")
-
-
 class SamplerFields(Options):
     """task.sampler: a rollout engine that is not the trainer, as a pipelined RL system runs one. precision: the
     engine's copy of the policy in bf16 or float16 (same: the trainer's dtype); attn_implementation: the engine's

@@ -16,11 +16,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from klbench.config.training import engine_truncation
 from klbench.estimators import KLBatch
 from klbench.estimators.vocab_exact import exact_token_entropy
 from klbench.estimators.sampling import Sampling, token_logprob
 from klbench.models.rollout import PLAIN, stop_ids
+from klbench.models.sampler_lines import engine_truncation
 from klbench.models.scoring import ScoredBatch, WholeBatch
 
 

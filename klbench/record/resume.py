@@ -34,7 +34,7 @@ BEFORE = {"kl_ctl": {"name": "fixed"}, "task.inner_steps": 1, "task.clip_eps": 0
           "dataset.chat_template": False,
           # issue 53: the sampler was the trainer's own model; a behaviour policy carried the sampler's log-probs
           "task.sampler": {"precision": "same", "attn_implementation": "same", "lag": 0},
-          "task.behaviour": "sampler"}
+          "task.behaviour": "sampler", "task.pg_correction": {"mode": "none", "cap": 3.0, "floor": None}}
 
 
 # task keys that only add measurements (klbench.probe.measure at validations, on its own RNG stream): they never

@@ -64,6 +64,10 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         # beta lives in the controller (klbench/tasks/kl_control.py): estimator.beta when kl_ctl=fixed
         self.kl_ctl = build_kl_control(kl_ctl_cfg, float(estimator_cfg["beta"]))
         self.cfg = dict(task_cfg)
+        from klbench.estimators.pg_correction import PGCorrection
+        # the reward term's weight for an engine that is not the trainer (absent from distill/older configs: none)
+        pg = task_cfg.get("pg_correction")
+        self.pg_correction = PGCorrection() if pg is None else PGCorrection.from_options(dict(pg))
         # the KL fused into the reward before the advantage (in_reward kl_norm=before): no separate KL term
         self.kl_in_reward_adv = getattr(self.estimator, "options", {}).get("kl_norm") == "before"
         self.values = {label: value_estimator(name, **o) for label, (name, o) in REPORTED_VALUES.items()}
@@ -127,8 +131,9 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         slogp = torch.where(batch.mask, slogp, torch.zeros((), dtype=slogp.dtype, device=slogp.device))
         if self.inner_steps == 1:  # on-policy: REINFORCE on log pi_s
             adv = self.reward_advantage(batch, reward, ro.group)  # [B]
-            loss, n_clamped = self.total_loss(batch, reward_loss(adv, slogp, batch.mask, *self.loss_agg), where)
-            return loss, (n_clamped, slogp.detach(), None, {})
+            loss_reward, stats = self.corrected_reward_loss(adv, slogp, batch.mask, ro)
+            loss, n_clamped = self.total_loss(batch, loss_reward, where)
+            return loss, (n_clamped, slogp.detach(), None, stats)
         if i == 0:  # pi_old is this very policy: the behaviour log-probs are the batch's own, detached
             # (log pi_s for kl_target=model off plain sampling, which the batch carries already)
             old = batch.old_logp if batch.old_logp is not None else batch.logp.detach()
@@ -139,6 +144,18 @@ class RLTask(TrainMetrics, Validation, pl.LightningModule):
         loss_reward, stats = ppo_reward_loss(slogp, old_s, batch.mask, adv, float(self.cfg["clip_eps"]), self.loss_agg)
         loss, n_clamped = self.total_loss(replace(batch, old_logp=old), loss_reward, where)
         return loss, (n_clamped, slogp.detach(), (adv, old, old_s), stats)
+
+    def corrected_reward_loss(self, adv, slogp, mask, ro: Rollout) -> tuple[torch.Tensor, dict]:
+        """The reward term: REINFORCE on log pi_s, weighted by task.pg_correction's importance weights of the
+        trainer's log-probs over the engine's own (klbench.estimators.pg_correction; mode none: no weight)."""
+        if self.pg_correction.is_none:
+            return reward_loss(adv, slogp, mask, *self.loss_agg), {}
+        if ro.sampled_logp is None:
+            raise ValueError(f"task.pg_correction.mode={self.pg_correction.mode}: this rollout kept no log-probs of "
+                             "its own, so no weight pi / pi_s exists; use a sampler that keeps them or mode=none")
+        from klbench.estimators.pg_correction import corrected_reward_loss
+        loss, stats = corrected_reward_loss(adv, slogp, ro.sampled_logp, mask, self.pg_correction, *self.loss_agg)
+        return loss, {f"train/{k}": v for k, v in stats.items()}
 
     def rewards(self, ro: Rollout) -> torch.Tensor:
         """[B] the reward of each response (zeros without a reward: distillation)."""
