@@ -132,3 +132,48 @@ def test_the_reuse_advice_runs_when_followed_literally(tiny_arch, tmp_path, sing
     trainer.train()
     logs = [h for h in trainer.state.log_history if "klbench/seq_kl" in h]
     assert logs and all(h["klbench/seq_kl"] > 0 for h in logs)
+
+
+# ---- verl's ppo_loss with the rollout's log-probs ----
+
+def _verl_with_engine(shift: float = 0.3):
+    from test_integrations import _verl_call
+    config, output, data, batch = _verl_call()
+    engine = torch.where(batch.mask, batch.logp.detach() + shift * torch.sin(torch.arange(6.0)).double(), 0.0)
+    data["rollout_log_probs"] = engine
+    return config, output, data, batch, engine
+
+
+@pytest.mark.parametrize("behaviour", ["sampler", "scorer"])
+def test_verl_takes_the_rollouts_logprobs_as_the_behaviour_policy(behaviour):
+    """in_loss (k1 x the per-token ratio) in verl's actor loss: its KL gradient is the plain surrogate's on the batch
+    whose old_logp is the rollout's log-probs ('sampler'), or verl's old_log_probs ('scorer')."""
+    import dataclasses
+
+    from klbench.estimators import KLBatch
+    from klbench.integrations.verl import ppo_loss
+    from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
+    config, output, data, batch, engine = _verl_with_engine()
+    loss, _ = ppo_loss("in_loss", kl_behaviour=behaviour)(config, output, data)
+    policy, _ = verl_ppo_loss(dataclasses.replace(config, use_kl_loss=False), output, data)
+    got = torch.autograd.grad(loss - policy, batch.logp)[0]
+
+    def want(old):
+        b = KLBatch(batch.logp, batch.ref_logp, batch.mask, old_logp=torch.where(batch.mask, old, 0.0))
+        return torch.autograd.grad(config.kl_loss_coef * gradient_estimator("in_loss")(b).sum() / batch.mask.sum(),
+                                   batch.logp)[0]
+
+    on_engine, on_scorer = want(engine), want(data["old_log_probs"])
+    assert (on_engine - on_scorer).abs().max() > 1e-2  # the rollout's log-probs move the gradient
+    torch.testing.assert_close(got, on_engine if behaviour == "sampler" else on_scorer, rtol=1e-12, atol=1e-12)
+
+
+def test_verl_refuses_an_on_policy_estimator_on_the_rollouts_logprobs():
+    from klbench.integrations.verl import ppo_loss
+    config, output, data, _, _ = _verl_with_engine()
+    with pytest.raises(ValueError) as err:
+        ppo_loss("cumulative")(config, output, data)
+    assert "\n" not in str(err.value) and "'cumulative'" in str(err.value) and "kl_behaviour='scorer'" in str(err.value)
+    ppo_loss("cumulative", kl_behaviour="scorer")(config, output, data)  # the mismatch invisible: runs
+    with pytest.raises(ValueError, match="kl_behaviour='engine' is unknown"):
+        ppo_loss("cumulative", kl_behaviour="engine")

@@ -49,10 +49,21 @@ def refusal(est) -> str | None:
     return None
 
 
-def ppo_loss(estimator: str, **options):
+BEHAVIOURS = ("sampler", "scorer")
+
+
+def ppo_loss(estimator: str, kl_behaviour: str = "sampler", **options):
     """verl's actor loss with `estimator` (a klbench gradient estimator's name, `options` its options) as the KL
     term at coefficient config.kl_loss_coef. The run keeps use_kl_loss=True, which makes verl compute the
-    reference's log-probs (trainer/ppo/utils.py:79); kl_loss_type is not read."""
+    reference's log-probs (trainer/ppo/utils.py:79); kl_loss_type is not read.
+
+    kl_behaviour: where the batch carries the rollout engine's own log-probs (`rollout_log_probs`: the rollout's
+    calculate_log_probs), 'sampler' makes them the KL batch's behaviour policy (KLBatch.old_logp), so that an
+    off-policy estimator corrects for the engine's mismatch (docs/mismatch.md); 'scorer' uses verl's
+    old_log_probs (the trainer's recomputation), which hides it. verl's actor loss cannot see the rollout's top-p
+    or top-k: under a truncating rollout no weight exists for the cut tokens (docs/integrations.md)."""
+    if kl_behaviour not in BEHAVIOURS:
+        raise ValueError(f"verl: kl_behaviour={kl_behaviour!r} is unknown; valid: {', '.join(BEHAVIOURS)}")
     from importlib.metadata import version
     if version("verl") != SUPPORTED:
         raise ValueError(f"klbench.integrations.verl supports verl {SUPPORTED} (it wraps its ppo_loss), found "
@@ -78,9 +89,17 @@ def ppo_loss(estimator: str, **options):
         off = dataclasses.replace(config, use_kl_loss=False)
         policy_loss, metrics = verl_ppo_loss(off, model_output, data, dp_group)
         log_prob = no_padding_2_padding(model_output["log_probs"], data)  # [B, T], differentiable
-        padded = data.select("response_mask", "old_log_probs", "ref_log_prob").to_padded_tensor()
+        engine = kl_behaviour == "sampler" and "rollout_log_probs" in data
+        if engine and not est.supports_off_policy():
+            raise ValueError(f"verl: the batch carries the rollout engine's log-probs (rollout_log_probs), and with "
+                             f"kl_behaviour='sampler' they are the KL batch's behaviour policy, but klbench estimator "
+                             f"{est.name!r} assumes samples from pi: use in_reward or in_loss with ratio='token'|"
+                             "'sequence', or ppo_loss(..., kl_behaviour='scorer') (the mismatch stays invisible)")
+        fields = ["response_mask", "old_log_probs", "ref_log_prob"] + ["rollout_log_probs"] * engine
+        padded = data.select(*fields).to_padded_tensor()
         mask = padded["response_mask"].to(bool)  # [B, T]
-        old = padded["old_log_probs"].to(log_prob.dtype) if est.supports_off_policy() else None
+        behave = padded["rollout_log_probs"] if engine else padded["old_log_probs"]  # [B, T]
+        old = torch.where(mask, behave.to(log_prob.dtype), 0) if est.supports_off_policy() else None
         batch = KLBatch(log_prob, padded["ref_log_prob"].to(log_prob.dtype).detach(), mask, old_logp=old)
         surrogate = est(batch)  # [B]
         # sequence i's surrogate as its row's token sum: every agg_loss mode then weighs it as it weighs a token
