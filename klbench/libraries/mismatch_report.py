@@ -175,7 +175,8 @@ PROSE = """
   sampler's k1 enters the reward. With an exact sequence weight under its cap (verl's `bypass_pg_is`), the term
   follows `kl_pi_ref_minus_kl_pi_s` = grad KL(pi || pi_ref) - grad KL(pi || pi_s), pi_s held fixed. Descending that
   loss raises KL(pi || pi_s): it pushes the trainer away from its own sampler. No correction of the PG term repairs
-  this. Per-token weights give neither candidate.
+  this. Per-token weights, and AReaL's sequence mask (whose PG term follows no candidate either), give neither
+  candidate: those cells read "none of the above".
 - Per-token corrections (TRL `token_*`, verl `*_token_*`, OpenRLHF, AReaL `token_*`) give `token_is_pg` only while no
   weight reaches its cap: the prefixes and continuations stay the sampler's. At a one-sided T 0.8 a weight above
   TRL's cap 3.0 fires, and TRL's `token_truncate` and `token_mask` read "none of the above". The PG term is exact
