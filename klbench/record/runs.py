@@ -40,16 +40,19 @@ def slurm_job_id() -> str | None:
     return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
 
 
-def slurm_jobs_alive(job_ids: list[str]) -> set[str] | None:
-    """The ones among these SLURM jobs that are pending, running, requeued or ending; None without squeue."""
+def slurm_jobs_alive(job_ids: list[str], running: bool = False) -> set[str] | None:
+    """The ones among these SLURM jobs that are pending, running, requeued or ending; None without squeue.
+    `running`: only those running or ending, whose processes exist now. A job pending again after a requeue (a node
+    lost, a preemption) holds no process: its run's owner is gone until the next attempt starts (issue 52)."""
     if not job_ids or not shutil.which("squeue"):
         return None if job_ids else set()
     # -r: one line per array task, so "12_3" is matched as such; an id the cluster forgot prints nothing
-    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)], capture_output=True,
+    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i %t", "-j", ",".join(job_ids)], capture_output=True,
                          text=True, timeout=60)
     if out.returncode != 0 and "Invalid job id" not in out.stderr:
         return None  # the controller did not answer: say nothing rather than guess
-    return set(out.stdout.split()) & set(job_ids)
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()]  # "7 R", "7 PD", "12_3 CG"
+    return {r[0] for r in rows if not running or r[1] in ("R", "CG", "SO", "ST", "S", "RS", "SI")} & set(job_ids)
 
 
 def owner_tags() -> dict[str, str]:
@@ -66,7 +69,7 @@ def owner_alive(tags: dict[str, str], slurm_alive: set[str] | None = None) -> bo
     if tags.get(HOST) != socket.gethostname() or not tags.get(PID, "").isdigit():
         job = tags.get(SLURM_JOB)
         if job:
-            alive = slurm_jobs_alive([job]) if slurm_alive is None else slurm_alive
+            alive = slurm_jobs_alive([job], running=True) if slurm_alive is None else slurm_alive
             return None if alive is None else job in alive
         return None
     if not os.path.isdir("/proc/self"):
@@ -82,7 +85,7 @@ def reap(client, experiment_ids: list[str], noticed_by: str) -> list[str]:
         return []
     running = client.search_runs(experiment_ids, "attributes.status = 'RUNNING'", max_results=50000)
     jobs = sorted({r.data.tags[SLURM_JOB] for r in running if r.data.tags.get(SLURM_JOB)})
-    slurm_alive = slurm_jobs_alive(jobs)
+    slurm_alive = slurm_jobs_alive(jobs, running=True)  # a requeued job's pending attempt runs nothing yet
     dead = []
     for run in running:
         if owner_alive(run.data.tags, slurm_alive) is False:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from klbench.record import interrupts
 from klbench.record.redact import redact
-from klbench.sweep import jobs, nodes, parent, signals, study, trial
+from klbench.sweep import jobs, nodes, parent, requeue, signals, study, trial
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class SweepTracking(Callback):
 
     def _start(self, config: DictConfig) -> None:
         nodes.check(config)  # a multi-node job SLURM cannot start: one line before anything exists
+        requeue.install()  # a job requeued after a node failure stays the trial's (submitit took it as ended)
         sw = config.hydra.sweeper
         if sw.get("study_name") and sw.get("storage"):  # first: a refused sweep leaves nothing behind
             jobs.claim(Path(config.paths.outputs), sw.study_name, redact(str(sw.storage)))

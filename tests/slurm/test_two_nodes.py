@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,76 @@ def test_more_nodes_than_the_partition_has_is_refused_before_submission(two_node
 def test_a_launcher_node_count_other_than_num_nodes_is_refused(two_nodes, tmp_path):
     line = _refused(tmp_path / "outputs", "hardware.num_nodes=2", *[a.replace("nodes=2", "nodes=1") for a in TWO])
     assert "hardware.num_nodes=2 but hydra.launcher.nodes=1" in line
+
+
+# ---- a node lost mid-run ----
+
+def _job_pids(cluster, node: str) -> list[int]:
+    """The processes of jobs on `node` (everything in its network namespace but its slurmd)."""
+    pids = subprocess.run(["ip", "netns", "pids", cluster.netns(node)], capture_output=True, text=True).stdout.split()
+    out = []
+    for pid in pids:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm != "slurmd":
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.slow  # minutes: a run to its first checkpoint, SLURM's node-failure detection, a requeued attempt
+def test_a_node_lost_mid_run_is_requeued_and_resumes_exactly(two_nodes, tmp_path, monkeypatch):
+    """klb-n2 leaves the network and its processes die (kill -9, link down: rank 0 gets no FIN, as from a node that
+    lost power) after the first checkpoint. Rank 0 is blocked in gloo's allreduce, which would wait out the process
+    group's timeout (30 min, torch's default). What ends it is SLURM: klb-n2 stops answering pings, is DOWN after
+    SlurmdTimeout (10 s here, 300 s by default), the job is NODE_FAIL and srun kills its step on klb-n1 (SIGKILL: no
+    handler runs). The run, RUNNING in the record, is KILLED once anyone reads the runs (its job is pending again,
+    klbench.record.runs.reap). SLURM requeues the batch job (JobRequeue=1); once klb-n2 is back it runs again and
+    the trial resumes from last.ckpt: the run FINISHED, no step logged twice, the metrics of a straight run."""
+    from test_scaleout import assert_resumed_cleanly, only_trial_run, sacct, wait_for
+    out = tmp_path / "outputs"
+    steps, every = 1200, 200
+    trial = ["experiment=tabular", "estimator=rb", f"task.max_steps={steps}", f"task.val_every={every}",
+             "hardware=ddp", "hardware.accelerator=cpu"]
+    sweep = klbench(out, "-m", "sweep=rl_beta", *trial, "hardware.devices=1", "hardware.num_nodes=2", ONE_BETA,
+                    "hydra.sweeper.n_trials=1", *[a.replace("timeout_min=5", "timeout_min=20") for a in TWO],
+                    background=True)
+    try:
+        run = wait_for("the trial's first checkpoint", lambda: only_trial_run(out), 300, sweep)
+        job = run.data.tags["klbench.slurm_job"]
+        subprocess.run(["ip", "link", "set", two_nodes._veth("klb-n2"), "down"], check=True)
+        two_nodes.stop_node("klb-n2")  # slurmd and rank 1, kill -9
+        lost = time.monotonic()
+        wait_for("rank 0 on klb-n1 to end", lambda: not _job_pids(two_nodes, "klb-n1"), 90, sweep)
+        ended_after = time.monotonic() - lost
+        # SLURM's kill is SIGKILL on a node failure: no rank lives to mark the run. Whoever reads the runs next
+        # (a run starting, klbench-pareto, a resumed sweep: klbench.record.runs.reap) finds its job pending again
+        wait_for("the job requeued", lambda: "PD" in subprocess.run(["squeue", "-h", "-j", job, "-o", "%t"],
+                                                                    capture_output=True, text=True).stdout, 60)
+        from klbench.record.runs import reap
+        c = client(out)
+        reap(c, [run.info.experiment_id], noticed_by="the node-loss test")
+        during = c.get_run(run.info.run_id)
+        attempts = sacct(job)
+        print(f"node lost at step >= {run.data.tags['klbench.steps_done']}: rank 0 ended {ended_after:.1f} s later; "
+              f"run {during.info.status}; attempts {[a['state'] for a in attempts]}")
+        assert ended_after < 60  # SlurmdTimeout 10 s, slurmctld's ping cycle, the step's kill: ~30 s measured
+        assert during.info.status == "KILLED"  # not RUNNING while nothing runs
+        assert f"SLURM job {job} is gone" in during.data.tags["klbench.ended"]
+        assert attempts[0]["state"] == "NODE_FAIL"
+        subprocess.run(["ip", "link", "set", two_nodes._veth("klb-n2"), "up"], check=True)
+        two_nodes.start_node("klb-n2")
+        assert sweep.wait(timeout=600) == 0
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+        subprocess.run(["ip", "link", "set", two_nodes._veth("klb-n2"), "up"], capture_output=True)
+        if not two_nodes.healthy():
+            two_nodes.start_node("klb-n2")
+    c, kid = only_kid(out)
+    assert_resumed_cleanly(c, kid, steps, every)
+    assert [a["state"] for a in sacct(job)][-1] == "COMPLETED"
+    assert_across_nodes(two_nodes, kid)
+    straight = local_metrics(out, *trial, "hardware.devices=2", f"task.max_steps={steps}")
+    assert {k: kid.data.metrics[k] for k in straight} == pytest.approx(straight, rel=1e-6)
