@@ -50,6 +50,9 @@ def assert_across_nodes(cluster, kid) -> None:
         assert not addr.is_loopback and addr in cluster.NET
     log = (Path(kid.data.tags["klbench.run_dir"]) / "klbench.log").read_text()
     assert f"ranks: {kid.data.tags['klbench.rank_hosts']}" in log
+    # one whole checkpoint in the shared run folder, rank 0's: no per-rank copies or shards
+    ckpts = sorted(p.name for p in (Path(kid.data.tags["klbench.run_dir"]) / "checkpoints").iterdir())
+    assert ckpts == ["last.ckpt"], ckpts
 
 
 def local_metrics(out: Path, *overrides: str) -> dict[str, float]:
