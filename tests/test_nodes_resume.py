@@ -36,3 +36,20 @@ def test_another_node_count_at_resume_is_refused_and_the_run_is_unchanged(tmp_pa
     assert after.data.metrics == before.data.metrics and after.data.tags == before.data.tags
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val/reward")] == history
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").read_bytes() == ckpt
+
+
+def test_a_node_count_that_does_not_divide_the_global_batch_names_both(tmp_path):
+    """hardware=fsdp splits task.prompts_per_step over hardware.devices x hardware.num_nodes ranks (under hardware=ddp
+    it is per rank, so every node count divides the global batch)."""
+    import pytest
+
+    from klbench.config.schema import ConfigError, validate
+    from test_config import compose_cfg
+    cfg = compose_cfg(tmp_path, ["hardware=fsdp", "hardware.devices=1", "hardware.num_nodes=3", "model=hf",
+                                 "model.name_or_path=x", "task.prompts_per_step=4"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    said = str(e.value)
+    assert "\n" not in said and "task.prompts_per_step=4" in said and "hardware.num_nodes = 3 ranks" in said
+    validate(compose_cfg(tmp_path, ["hardware=ddp", "hardware.devices=1", "hardware.num_nodes=3",
+                                    "task.prompts_per_step=4"]))
