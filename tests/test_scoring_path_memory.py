@@ -1,0 +1,45 @@
+"""A run's glibc malloc at a fixed mmap threshold (klbench.tasks.allocator): blocks freed between a run's phases go
+back to the system, whichever block was freed first, so a process's peak follows what it holds (docs/scale.md,
+"Whole-process peaks at V = 151,936")."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+# in a fresh process: a 24 MiB block freed (glibc's dynamic threshold rises to it), then 40 blocks growing from 2 MiB by
+# 64 KiB, as a KV cache grown by torch.cat: each written, a small tensor kept after it (pinning the heap around the
+# hole, which the next, larger block cannot reuse), then freed; the resident set's growth in MiB
+CHILD = r"""
+import sys, torch
+from klbench.tasks.allocator import fix_mmap_threshold
+if sys.argv[1] == "fixed":
+    assert fix_mmap_threshold()
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) * 1024
+torch.empty(6 * 2**20).fill_(1.0)  # 24 MiB, mmapped, freed
+base, keep = rss(), []
+for _ in range(40):
+    big = torch.empty(2**19 + _ * 2**14).fill_(1.0)  # 2 MiB + 64 KiB a step
+    keep.append(torch.ones(64))
+    del big
+print((rss() - base) / 2**20)
+"""
+
+
+def _growth(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_blocks_leave_the_resident_set_at_a_fixed_threshold():
+    assert _growth("default") > 40  # the dynamic threshold keeps the freed blocks on the heap (the test bites)
+    assert _growth("fixed") < 20
+
+
+def test_a_users_own_threshold_wins(monkeypatch):
+    from klbench.tasks.allocator import fix_mmap_threshold
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert fix_mmap_threshold() is False
