@@ -198,3 +198,32 @@ def test_a_node_lost_mid_run_is_requeued_and_resumes_exactly(two_nodes, tmp_path
     assert_across_nodes(two_nodes, kid)
     straight = local_metrics(out, *trial, "hardware.devices=2", f"task.max_steps={steps}")
     assert {k: kid.data.metrics[k] for k in straight} == pytest.approx(straight, rel=1e-6)
+
+
+def test_a_run_whose_job_is_pending_again_is_killed_by_the_reaper(slurm_cluster, tmp_path):
+    """The node-loss test's record, in seconds: a RUNNING run owned by a SLURM job that is pending (as after a
+    requeue) has no process; one owned by a running job has. klbench.record.runs.reap marks only the first KILLED."""
+    from mlflow import MlflowClient
+
+    from klbench.record import runs
+    from klbench.record.store import ensure_experiment
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp = ensure_experiment(uri, "reap", None, None)
+    c = MlflowClient(uri)
+
+    def sbatch(*args: str) -> str:
+        return subprocess.run(["sbatch", "--parsable", "-p", "main", "-c", "1", "--mem=50M", "-o", "/dev/null",
+                               *args, "--wrap", "sleep 60"], capture_output=True, text=True, check=True).stdout.strip()
+
+    pending, running = sbatch("--hold"), sbatch()
+    try:
+        from test_scaleout import wait_for
+        wait_for("the job to run", lambda: subprocess.run(["squeue", "-h", "-j", running, "-o", "%t"],
+                                                          capture_output=True, text=True).stdout.strip() == "R", 30)
+        ids = {job: c.create_run(exp, tags={runs.HOST: "klb-n1", runs.PID: "4242", runs.SLURM_JOB: job}).info.run_id
+               for job in (pending, running)}
+        assert runs.reap(c, [exp], noticed_by="the test") == [ids[pending]]
+        assert c.get_run(ids[pending]).info.status == "KILLED"
+        assert c.get_run(ids[running]).info.status == "RUNNING"
+    finally:
+        subprocess.run(["scancel", pending, running], capture_output=True)
