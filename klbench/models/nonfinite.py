@@ -10,7 +10,8 @@ def nonfinite_cause(model, sampling) -> str:
     """'; <the cause>' for the message of a rollout's non-finite logits: the model's weights (naming the tensors
     that hold NaN or inf), else the temperature (the logits / T beyond float32), else the model's forward."""
     with torch.no_grad():
-        bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+        bad = [name for name, p in model.named_parameters()
+               if p.is_floating_point() and not bool(torch.isfinite(p).all())]
     if bad:
         more = f" and {len(bad) - 2} more" if len(bad) > 2 else ""
         return (f"; the model's weights hold NaN or inf ({', '.join(bad[:2])}{more}): the model folder or the "

@@ -179,7 +179,8 @@ def watchdog(signum: int, timeout: float | None = None, end=os._exit) -> threadi
             except Exception:  # noqa: BLE001 - ending the process matters more than the mark
                 pass
         print(f"klbench: stopped by {name(signum)}, but this rank had not ended {timeout:g} s later (blocked in a "
-              f"collective its peers never joined): ending it now (KLBENCH_STOP_TIMEOUT_S)", file=sys.stderr, flush=True)
+              "collective its peers never joined): ending it now (KLBENCH_STOP_TIMEOUT_S)", file=sys.stderr,
+              flush=True)
         end(128 + signum)
     thread = threading.Thread(target=wait, name="klbench-stop-watchdog", daemon=True)
     thread.start()

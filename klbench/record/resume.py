@@ -106,9 +106,9 @@ def read_checkpoint(path: str) -> dict:
             except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
                 bad = f"its directory ({e})"
             if bad:
-                raise ResumeError(f"{path} is damaged: {bad} fails the zip archive's CRC-32 check, so what it holds is "
-                                  "not what was saved (a disk or copy error). Use another copy of the checkpoint, or an "
-                                  "earlier run's")
+                raise ResumeError(f"{path} is damaged: {bad} fails the zip archive's CRC-32 check, so what it holds "
+                                  "is not what was saved (a disk or copy error). Use another copy of the checkpoint, "
+                                  "or an earlier run's")
         f.seek(0)
         ckpt = _torch_load(f, path)
     _section(ckpt, path)

@@ -88,7 +88,8 @@ def export(source: str, out: str | None = None, adapter: bool = False) -> Path:
             why = (e.strerror if isinstance(e, OSError) else None) or str(e).split("I/O error: ")[-1]
             raise ExportError(f"could not write {target}: {why}; nothing was left behind") from None
         if os.path.lexists(target):  # made while this export ran
-            raise ExportError(f"{target} exists; klbench-export never overwrites: give --out a path that does not exist")
+            raise ExportError(f"{target} exists; klbench-export never overwrites: give --out a path that does not "
+                              "exist")
         os.rename(tmp, target)
     what = "LoRA adapter" if adapter else "policy (LoRA merged into its base)" if lora else "policy"
     chat = " and chat template" if getattr(policy.tok, "chat_template", None) else ""
