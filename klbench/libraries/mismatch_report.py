@@ -139,7 +139,7 @@ def compact(rows: list[Row]) -> list[str]:
     return ["", "## Under a training-inference mismatch", "",
             "Each library's rollout correction with the sampler's log-probs sent along (docs/mismatch.md has the",
             "setup, the options and klbench's own estimators): the KL term's and the policy-gradient term's verdicts",
-            "under each mismatch kind.", ""] + table(rows, COLUMNS)
+            "under each mismatch kind.", "", *ASSUMPTIONS, ""] + table(rows, COLUMNS)
 
 
 ASSUMPTIONS = [
