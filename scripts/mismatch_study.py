@@ -9,6 +9,7 @@ from its metrics.csv, with the run's mean train/mismatch_k1 and train/mismatch_c
     python scripts/mismatch_study.py --model embedded --steps 40 --seeds 0 1 2 --out outputs/mismatch_study
     python scripts/mismatch_study.py --model tabular --steps 60 --seeds 0 1 2 --out outputs/mismatch_study
     python scripts/mismatch_study.py --plot-only --out outputs/mismatch_study --png docs/img/mismatch_frontier.png
+      (--plot-only rebuilds <out>/<model>_runs.csv from the run folders: a study stopped early is read as far as it got)
 
 Writes <out>/<model>_runs.csv (one row per run), <out>/<model>_arms.csv (per arm: mean and 95% t-interval over the
 seeds) and, with --png, the plot of final reward against KL(pi || pi_ref), one point per arm with both intervals.
@@ -61,6 +62,8 @@ def final_metrics(folder: Path) -> dict[str, float]:
     last = lambda key: next(float(r[key]) for r in reversed(rows) if r.get(key))  # noqa: E731
     mean = lambda key: statistics.fmean(float(r[key]) for r in rows if r.get(key))  # noqa: E731
     out = {"val_reward": last("val/reward"), "val_seq_kl": last("val/seq_kl")}
+    if any(r.get("val/frontier_gap") for r in rows):  # tabular: the exact distance below the optimal frontier
+        out["val_frontier_gap"] = last("val/frontier_gap")
     for key in ("train/mismatch_k1", "train/mismatch_chi2"):
         out[key.split("/")[1]] = mean(key) if any(r.get(key) for r in rows) else 0.0
     return out
@@ -95,6 +98,24 @@ def run(model: str, steps: int, seeds: list[int], out: Path, engines: list[str],
     return path
 
 
+def reread(model: str, out: Path) -> Path:
+    """<out>/<model>_runs.csv rebuilt from the run folders (what --plot-only reads: a metric added since is read too)."""
+    rows = []
+    for name, _ in arms(model, list(ENGINES)):
+        for folder in sorted((out / "runs" / model).glob(f"{name.replace(' ', '_').replace('/', '-')}_s*")):
+            try:
+                rows.append({"arm": name, "seed": int(folder.name.rsplit("_s", 1)[1]), **final_metrics(folder)})
+            except (StopIteration, ValueError):  # a run still going, or stopped before its final validation
+                continue
+    path = out / f"{model}_runs.csv"
+    if rows:
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return path
+
+
 def t95(n: int) -> float:
     """The two-sided 95% Student t quantile with n - 1 degrees of freedom (n <= 10 tabulated, else 1.96)."""
     return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(n, 1.96)
@@ -107,7 +128,9 @@ def summarise(path: Path) -> list[dict]:
     out = []
     for arm, rows in by.items():
         s = {"arm": arm, "seeds": len(rows)}
-        for key in ("val_reward", "val_seq_kl", "mismatch_k1", "mismatch_chi2"):
+        for key in ("val_reward", "val_seq_kl", "val_frontier_gap", "mismatch_k1", "mismatch_chi2"):
+            if not rows[0].get(key):
+                continue
             v = [float(r[key]) for r in rows]
             m = statistics.fmean(v)
             h = t95(len(v)) * statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else float("nan")
@@ -121,11 +144,13 @@ def summarise(path: Path) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| arm | seeds | val/reward | val/seq_kl = KL(pi \\|\\| pi_ref) | train/mismatch_k1 | train/mismatch_chi2 |",
-             "|---|---|---|---|---|---|"]
+    gap = "val_frontier_gap" in rows[0]
+    lines = ["| arm | seeds | val/reward | val/seq_kl = KL(pi \\|\\| pi_ref) |" + (" val/frontier_gap (exact) |" * gap)
+             + " train/mismatch_k1 | train/mismatch_chi2 |", "|---|---|---|---|---|---|" + "---|" * gap]
     for r in rows:
+        g = f" {r['val_frontier_gap']:.3f} ± {r['val_frontier_gap_ci']:.3f} |" if gap else ""
         lines.append(f"| {r['arm']} | {r['seeds']} | {r['val_reward']:.3f} ± {r['val_reward_ci']:.3f} | "
-                     f"{r['val_seq_kl']:.3f} ± {r['val_seq_kl_ci']:.3f} | {r['mismatch_k1']:.1e} | "
+                     f"{r['val_seq_kl']:.3f} ± {r['val_seq_kl_ci']:.3f} |{g} {r['mismatch_k1']:.1e} | "
                      f"{r['mismatch_chi2']:.1e} |")
     return "\n".join(lines)
 
@@ -167,7 +192,7 @@ def main() -> None:
     models = a.model or list(MODELS)
     summaries = {}
     for model in models:
-        path = a.out / f"{model}_runs.csv" if a.plot_only else run(model, a.steps, a.seeds, a.out, a.engines, a.extra)
+        path = reread(model, a.out) if a.plot_only else run(model, a.steps, a.seeds, a.out, a.engines, a.extra)
         if path.exists():
             summaries[model] = summarise(path)
             print(f"\n{model}:\n" + markdown(summaries[model]))
