@@ -38,8 +38,23 @@ def main() -> None:
     """The `klbench` command: the Hydra app below, with what Hydra cannot compose told in klbench's one line."""
     from klbench.console import pipes
     pipes.guard()  # `klbench | head -1`: the run goes on when its reader goes away (issue 50)
+    check_environment_first()
     with _composition_errors_in_one_line():
         app()
+
+
+def check_environment_first() -> None:
+    """The KLBENCH_* values klbench parses, before Hydra starts: in a sweep, check(cfg) would fail each trial in
+    turn and the sweep's parent FAILED (issue 50). KLBENCH_OPTUNA_RETRY_S (a sweep on a server store reads it) is
+    parsed by the sweep's own reader, whose import (Optuna) is paid only when it is set."""
+    from klbench.console.env_checks import check_environment
+    try:
+        check_environment()
+        if os.environ.get("KLBENCH_OPTUNA_RETRY_S", "").strip():
+            from klbench.sweep.storage import retry_budget
+            retry_budget()
+    except ValueError as e:
+        fail(str(e))
 
 
 @contextmanager

@@ -101,3 +101,14 @@ def test_a_run_whose_reader_goes_away_keeps_training(tmp_path):
     client = mlflow.MlflowClient(f"sqlite:///{outputs}/mlflow.db")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FINISHED" and "val/reward" in run.data.metrics
+
+
+@pytest.mark.parametrize("var", ["KLBENCH_PROGRESS_SECONDS", "KLBENCH_STOP_TIMEOUT_S", "KLBENCH_OPTUNA_RETRY_S"])
+def test_a_bad_environment_value_stops_a_sweep_before_it_starts(tmp_path, var):
+    """Issue 50.8 in a sweep: checked with each trial's config, the typo failed every trial in turn and the sweep's
+    parent ended FAILED. Checked before Hydra starts: one line, no sweep folder, no store."""
+    outputs = tmp_path / "outputs"
+    proc = cli_inprocess.run(["-m", "sweep=rl_beta", "experiment=tabular", "hydra.sweeper.n_trials=1",
+                              "task.max_steps=2"], cwd=tmp_path, env=cli_env(outputs, **{var: "abc"}))
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"klbench: error: {var}='abc': expected ") and not outputs.exists()
