@@ -3,15 +3,16 @@
     python tests/slurm/bench_two_nodes.py [rounds]        (as root, .ci/install_servers.sh installed)
 
 Each round runs both, one after the other (the two-node trial first in even rounds, second in odd ones), so that
-load from elsewhere on the machine falls on both alike: hardware=ddp on the tabular model (800 steps) and
-hardware=fsdp on a tiny Llama folder (24 steps). The time is the one each run prints ("klbench: N steps in T s",
-training only: the models and data built before it are not counted). Prints one row per run and the ratios
-(two nodes / local) per round; docs/scale-out.md "Two nodes" quotes them with the machine's load.
+load from elsewhere on the machine falls on both alike: hardware=ddp on the tabular model (600 steps) and
+hardware=fsdp on a tiny Llama folder (16 steps). A step's time is taken from the MLflow record: the timestamps of
+train/loss between the first training step logged after step 1 and the last, so neither the models' build nor the
+second local rank's start (Lightning launches it inside the first validate, inside the run's own "N steps in T s")
+is counted. Prints one row per run and the ratios (two nodes / local) per round; docs/scale-out.md "Two nodes"
+quotes them with the machine's load.
 """
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,6 @@ TWO = ["hydra/launcher=slurm", "hydra.launcher.partition=two", "hydra.launcher.n
        "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1", "hydra.launcher.gpus_per_node=0",
        "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=10", "hydra.sweeper.n_trials=1",
        'hydra.sweeper.params={estimator.beta:"choice(0.1)"}']
-STEPS = re.compile(r"klbench: (\d+) steps in (\d+(?:\.\d+)?) s")
 
 
 def run(cwd: Path, args: list[str], slurm: bool) -> float:
@@ -39,9 +39,13 @@ def run(cwd: Path, args: list[str], slurm: bool) -> float:
                        text=True, timeout=1200)
     if p.returncode:
         raise SystemExit(f"{args}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-    text = p.stdout if not slurm else "".join(f.read_text() for f in (cwd / "outputs").rglob("klbench.log"))
-    n, s = STEPS.findall(text)[-1]
-    return float(s) / int(n)
+    from mlflow import MlflowClient
+    c = MlflowClient(f"sqlite:///{cwd / 'outputs' / 'mlflow.db'}")
+    exps = [e.experiment_id for e in c.search_experiments()]
+    (run,) = [r for r in c.search_runs(exps) if "train/loss" in r.data.metrics]
+    hist = sorted((m.step, m.timestamp) for m in c.get_metric_history(run.info.run_id, "train/loss"))
+    hist = [h for h in hist if h[0] >= 2]
+    return (hist[-1][1] - hist[0][1]) / 1000 / (hist[-1][0] - hist[0][0])
 
 
 def main(rounds: int) -> None:
@@ -50,12 +54,12 @@ def main(rounds: int) -> None:
     root = Path(tempfile.mkdtemp(prefix="klbench-bench2n-"))
     tok = save_chat_tokenizer(root / "tok")
     policy, ref = save_tiny_arch("llama", root / "p", seed=0, tokenizer=tok), save_tiny_arch("llama", root / "r", 1, tokenizer=tok)
-    jobs = {"ddp tabular": ["experiment=tabular", "estimator=rb", "task.max_steps=800", "task.val_every=400",
+    jobs = {"ddp tabular": ["experiment=tabular", "estimator=rb", "task.max_steps=600", "task.val_every=300",
                             "hardware=ddp", "hardware.accelerator=cpu"],
             "fsdp tiny llama": ["model=hf", f"model.name_or_path={policy}", f"model.ref_name_or_path={ref}",
                                 "estimator=naive_mc", "task.prompts_per_step=4", "task.n_samples=2",
-                                "task.max_new_tokens=8", "task.val_prompts=4", "task.max_steps=24",
-                                "task.val_every=12", "hardware=fsdp", "hardware.accelerator=cpu"]}
+                                "task.max_new_tokens=8", "task.val_prompts=4", "task.max_steps=16",
+                                "task.val_every=8", "hardware=fsdp", "hardware.accelerator=cpu"]}
     print(f"load before: {os.getloadavg()}")
     for r in range(rounds):
         for name, job in jobs.items():
