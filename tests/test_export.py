@@ -242,14 +242,16 @@ def test_sigterm_removes_the_hidden_folder_and_the_next_export_removes_stale_one
     import sys
     import time
     target = tmp_path / "x"
-    proc = subprocess.Popen([sys.executable, "-m", "klbench.tasks.export", str(full_run), "--out", str(target)],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not [p for p in tmp_path.iterdir() if p.name.startswith(".x.")] and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and err.count("\n") == 1 and "stopped by SIGTERM" in err, out + err
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")] and not target.exists()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT: Ctrl-C, 130
+        proc = subprocess.Popen([sys.executable, "-m", "klbench.tasks.export", str(full_run), "--out", str(target)],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while not [p for p in tmp_path.iterdir() if p.name.startswith(".x.")] and proc.poll() is None:
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + sig and err.count("\n") == 1, out + err
+        assert f"stopped by {signal.Signals(sig).name}" in err, out + err
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")] and not target.exists()
     dead = subprocess.run(["true"], check=True).args and subprocess.Popen(["true"])  # a pid that has ended
     dead.wait()
     stale = [tmp_path / f".x.{dead.pid}.abcd_123", tmp_path / ".x.k2j4h5g6"]  # killed: this code's and older names

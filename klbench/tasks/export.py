@@ -254,10 +254,11 @@ def main(argv: list[str] | None = None) -> None:
         export(args.source, args.out, args.adapter)
     except (ExportError, ConfigError, ResumeError, FileNotFoundError) as e:
         sys.exit(f"klbench-export: error: {e}")
-    except Interrupted as e:  # the hidden folder is gone; 128 + the signal, as a process killed by it
-        print(f"klbench-export: stopped by {signal.Signals(e.signum).name}; the unfinished folder was removed, "
+    except (Interrupted, KeyboardInterrupt) as e:  # the hidden folder is gone; 128 + the signal, as a shell expects
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"klbench-export: stopped by {signal.Signals(signum).name}; the unfinished folder was removed, "
               "nothing was written", file=sys.stderr)
-        sys.exit(128 + e.signum)
+        sys.exit(128 + signum)
 
 
 if __name__ == "__main__":
