@@ -25,10 +25,21 @@ def _loss_and_grads(trainer, inputs, one_head: bool, monkeypatch):
     return loss.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)], len(calls), metrics
 
 
-@pytest.mark.parametrize("kind,arch", [("grpo", "llama"), ("grpo", "gemma2"), ("rloo", "llama")])
+@pytest.mark.parametrize("kind,arch,lora", [("grpo", "llama", False), ("grpo", "gemma2", False),
+                                           ("rloo", "llama", False), ("grpo", "llama", True)])
 def test_one_head_product_gives_the_two_product_loss_and_gradient(tiny_arch, tmp_path, single_thread, monkeypatch,
-                                                                  kind, arch):
-    trainer = _trainer(kind, tiny_arch(arch), tmp_path, "rb", bf16=False)  # float32: TRL's head and klbench's agree
+                                                                  kind, arch, lora):
+    # lora: a peft policy whose reference is its base with the adapter off (TRL's fused forward sits under peft's)
+    peft_config = None
+    if lora:
+        peft = pytest.importorskip("peft")
+        peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer = _trainer(kind, tiny_arch(arch), tmp_path, "rb", peft_config, bf16=False)  # float32: both heads agree
+    if lora:
+        with torch.no_grad():  # LoRA's B starts at zero: move it, so that pi and its base differ
+            for n, p in trainer.model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(0.3 * torch.randn_like(p))
     inputs = _inputs(trainer)
     inputs["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])  # TRL's policy term has a gradient too
     trainer.current_gradient_accumulation_steps = 1
