@@ -67,8 +67,8 @@ def trainers(folder: str, work: str, generations: int):
     from klbench.integrations.trl import GRPOTrainer
 
     def args():
-        return GRPOConfig(output_dir=work, beta=0.05, num_generations=generations, per_device_train_batch_size=generations,
-                          max_completion_length=8, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+        return GRPOConfig(output_dir=work, beta=0.05, num_generations=generations,
+                          per_device_train_batch_size=generations, max_completion_length=8, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
                           gradient_checkpointing=False)
 
     data = Dataset.from_dict({"prompt": ["w1 w2"] * generations})
@@ -170,7 +170,8 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
     params = sum(p.numel() for p in theirs.model.parameters())
     print(f"shape {a.shape} ({params / 1e6:.1f}M parameters), micro-batch {a.generations} x ({a.prompt_len} prompt + "
-          f"{a.completion_len} completion) tokens, fp32 CPU, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+          f"{a.completion_len} completion) tokens, fp32 CPU, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} cores, "
           f"load average {min(loads):.1f}-{max(loads):.1f} during the rounds, {a.pairs} rounds")
     base = statistics.median(t["total"] for t in times["trl_k3"])
     print(f"{'variant':<20}{'median s':>10}{'/ trl_k3':>10}   phases (median s)")

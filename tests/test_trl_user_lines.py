@@ -21,7 +21,8 @@ def test_only_options_that_change_what_is_sampled_are_named():
     model.generation_config = GenerationConfig(
         repetition_penalty=1.2, no_repeat_ngram_size=3, max_new_tokens=40,  # these change the sample: named
         output_scores=True, return_dict_in_generate=True, output_logits=True, cache_implementation="static",
-        do_sample=True, output_attentions=True, num_return_sequences=2)  # these change what generate() returns or how fast
+        # these change what generate() returns or how fast
+        do_sample=True, output_attentions=True, num_return_sequences=2)
     assert unapplied_generation_options(model) == {"max_new_tokens": 40, "no_repeat_ngram_size": 3,
                                                    "repetition_penalty": 1.2}
 
