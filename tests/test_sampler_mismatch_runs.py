@@ -57,6 +57,8 @@ def test_a_lag_run_resumes_exactly_and_a_changed_or_missing_queue_is_refused(tmp
     before = ckpt.read_bytes()
     client = mlflow.MlflowClient(first.logger.tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name(first.logger.experiment).experiment_id])
+    assert run.data.params["sampling.engine"] == "an engine that is not the trainer: the weights of 2 optimiser steps ago"
+    assert run.data.params["sampling.behaviour"] == "sampler"
 
     def refused(*over: str) -> str:
         with pytest.raises(ResumeError) as e:
