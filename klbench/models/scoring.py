@@ -102,6 +102,7 @@ class Scoring:
         self.from_hidden = (policy.logits_reason is None and policy.scoring_reason is None
                             and (logits is False or logits is None and not policy.logits_fit(m)))
         self.kept: list[ScoredBatch] = []
+        self.keep_graph = False  # parts(keep_graph=): the caller may backpropagate a part's graph more than once
         self.ref = self._reference() if self.from_hidden else None
         self.context = self._context() if len(self.cuts) > 1 else None
 
@@ -175,10 +176,12 @@ class Scoring:
             with torch.no_grad():
                 ref_logits = policy._logits(policy.ref, sub, pos)  # [m, L, V]
         resp = sub.tokens[:, sub.prompt_len:]
-        # the reference's logits are this part's alone: rb's backward writes its gradient into them (donate_ref)
+        # the reference's logits are this part's alone: rb's backward writes its gradient into them (donate_ref),
+        # unless the caller keeps the graph (Policy.score: the probe takes several gradients of one graph, and a
+        # second backward would read the first one's gradient as the reference's logits)
         b = target_batch(logits, ref_logits, resp, sub.mask, policy.sampling, policy.kl_target, group=sub.group,
                          behaviour_logp=policy.behaviour_logp(sub), with_token_kl=self.with_token_kl,
-                         donate_ref=True)
+                         donate_ref=not self.keep_graph)
         slogp = policy.scored_sampler_logp(sub, b)
         whole = len(self.cuts) == 1  # one part keeps its logits: estimators that read them (top-k) can
         ent = None if whole else exact_token_entropy(b.logits.detach(), b.mask, b.chunk_rows)
@@ -191,6 +194,7 @@ class Scoring:
     def parts(self, keep_graph: bool = False):
         """(i, j, rows i..j-1 scored with gradient where grad is on), kept for whole() as they come: detached, or
         with their graphs (keep_graph: Policy.score, whose caller backpropagates the whole batch)."""
+        self.keep_graph = keep_graph
         for i, j in self.cuts:
             # the heads stay gathered through the caller's backward of the part; with keep_graph that backward comes
             # after the last part, and FSDP's own post-backward releases the policy's
