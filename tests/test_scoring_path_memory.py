@@ -44,3 +44,13 @@ def test_a_users_own_threshold_wins(monkeypatch):
     from klbench.tasks.allocator import fix_mmap_threshold
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert fix_mmap_threshold() is False
+
+
+def test_the_threshold_is_fixed_at_large_vocabularies_only(monkeypatch):
+    """At the default run's vocabulary (1,024) glibc keeps its own threshold: a fixed 1 MiB one faulted in fresh pages
+    for every activation (its wall time 1.10x); at V = 151,936 it is fixed."""
+    import klbench.tasks.allocator as allocator
+    calls = []
+    monkeypatch.setattr(allocator, "fix_mmap_threshold", lambda: calls.append(1) or True)
+    assert not allocator.fix_for_vocabulary(1024) and not allocator.fix_for_vocabulary(None) and not calls
+    assert allocator.fix_for_vocabulary(151936) and calls == [1]

@@ -155,8 +155,6 @@ def run_task(cfg: DictConfig) -> dict[str, float]:
     (klbench.tasks.TASKS) names it; returns the task's metrics."""
     console.setup()
     check_config(cfg)
-    from klbench.tasks.allocator import fix_mmap_threshold
-    fix_mmap_threshold()  # a fixed mmap threshold: the process's peak follows what it holds (docs/scale.md)
     from klbench.models.embedded.cache import check_folder
     check_folder(cfg.paths.cache)  # a file where the cache should be: one line before anything is made
     os.makedirs(cfg.paths.outputs, exist_ok=True)
@@ -175,6 +173,9 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     t0 = time.time()
     policy = build_policy(cfg.model, cfg.task.max_new_tokens, cfg.paths.cache, cfg.get("teacher"),
                           *task_sampling(cfg.task))
+    from klbench.tasks.allocator import fix_for_vocabulary
+    # at a large vocabulary a fixed mmap threshold: the process's peak follows what it holds (docs/scale.md)
+    fix_for_vocabulary(getattr(policy, "vocab", None))
     if policy.sampling != task_sampling(cfg.task)[0]:  # model.generation_config=follow chose the folder's
         s = policy.sampling
         check_followed_sampling(cfg, s.temperature, s.top_k, s.top_p)
