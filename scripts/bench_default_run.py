@@ -130,7 +130,7 @@ def main() -> None:
             print(f"pair {i}: new {n['wall']:.1f} s wall, {n['cpu']:.1f} s CPU, {n['train']:.1f} s training, "
                   f"{n['rss']:.0f} MiB; old {o['wall']:.1f} s, {o['cpu']:.1f} s, {o['train']:.1f} s, {o['rss']:.0f} MiB; "
                   f"new/old wall {n['wall'] / o['wall']:.2f}, CPU {n['cpu'] / o['cpu']:.2f}, training "
-                  f"{n['train'] / o['train']:.2f}; val/reward {n['reward']} vs {o['reward']}, val/seq_kl "
+                  f"{n['train'] / o['train'] if o['train'] else float('nan'):.2f}; val/reward {n['reward']} vs {o['reward']}, val/seq_kl "
                   f"{n['seq_kl']} vs {o['seq_kl']}; load {before} -> {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         for s in spinners:
