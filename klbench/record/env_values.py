@@ -11,9 +11,10 @@ class EnvError(ValueError):
     """A KLBENCH_* variable holds a value klbench cannot use; the message names it."""
 
 
-def positive_seconds(var: str, default: float, what: str) -> float:
-    """$var as a number of seconds > 0, `default` if unset or empty; EnvError naming it otherwise (0 and negative
-    values included: taken silently, they meant "every step" or "at once", likely not what was meant)."""
+def positive_seconds(var: str, default: float, what: str, zero_ok: bool = False) -> float:
+    """$var as a number of seconds > 0 (>= 0 with zero_ok), `default` if unset or empty; EnvError naming it
+    otherwise (0 and negative values included: taken silently, they meant "every step" or "at once", likely not
+    what was meant)."""
     raw = os.environ.get(var, "").strip()
     if raw == "":
         return default
@@ -21,8 +22,8 @@ def positive_seconds(var: str, default: float, what: str) -> float:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise EnvError(f"{var}={raw!r}: expected {what}, a number > 0 (unset: {default:g})")
+    if not (math.isfinite(value) and (value > 0 or zero_ok and value == 0)):
+        raise EnvError(f"{var}={raw!r}: expected {what}, a number {'>=' if zero_ok else '>'} 0 (unset: {default:g})")
     return value
 
 

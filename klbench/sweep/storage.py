@@ -22,8 +22,6 @@ besides the one the retry creates; the next resume marks it FAIL.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,17 +56,10 @@ class StorageUnreachable(SystemExit):
 
 
 def retry_budget() -> float:
-    raw = os.environ.get(RETRY_ENV, "")
-    if raw == "":
-        return DEFAULT_RETRY_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{RETRY_ENV}={raw!r}: expected the seconds to retry an unreachable Optuna storage, "
-                         "a number >= 0")
-    return value
+    """$KLBENCH_OPTUNA_RETRY_S: seconds to retry an unreachable storage (0: no retry); EnvError (a ValueError)."""
+    from klbench.record.env_values import positive_seconds
+    return positive_seconds(RETRY_ENV, DEFAULT_RETRY_S, "the seconds to retry an unreachable Optuna storage",
+                            zero_ok=True)
 
 
 def lost_connection(e: BaseException) -> bool:
