@@ -327,14 +327,15 @@ def test_lora_runs_started_at_once_and_one_killed_and_resumed(tmp_path, tiny_arc
     long = ("seed=9", "task.max_steps=100", "task.val_every=20")
     killed = subprocess.Popen([*cmd, *_lora_args(base, tmp_path / "K", *long)], cwd=tmp_path,
                               env=env_for(outputs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for p in procs:
-        assert p.wait(timeout=600) == 0, p.stderr.read()[-3000:]
+    # killed at its first checkpoint, while the three others run (waiting for them first let it reach its end)
     ckpt = tmp_path / "K" / "checkpoints" / "last.ckpt"
     deadline = time.time() + 300
     while not ckpt.is_file() and time.time() < deadline and killed.poll() is None:
         time.sleep(0.1)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()[-3000:]
     resumed = klbench(outputs, *_lora_args(base, tmp_path / "K", *long, "ckpt_path=last"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step" in resumed.stderr + resumed.stdout  # killed mid-run, not after its end

@@ -68,12 +68,19 @@ def test_rb_gradient_is_the_same_written_into_the_reference_logits(pair, samplin
 
 
 def test_the_policy_step_gives_up_the_reference_logits(pair):
-    """LMPolicy.score(with_token_kl=True) on the logits path hands its reference logits to backward, and its gradient of
-    every parameter is the one of a batch that keeps them."""
+    """The step's scoring (Scoring.parts: each part backpropagated once) on the logits path hands its reference logits
+    to backward, and its gradient of every parameter is the one of a batch that keeps them. Policy.score keeps them:
+    its caller may take several gradients of one graph (the probe; tests/test_probe_lm.py)."""
+    from klbench.models.scoring import Scoring
     policy = _policy(*pair)
     torch.manual_seed(0)
     ro = policy.rollout(PROMPTS, 3)
-    batch = policy.score(ro, with_token_kl=True, logits=True)
+    kept_graph = policy.score(ro, with_token_kl=True, logits=True)
+    before = kept_graph.ref_logits.clone()
+    _loss(kept_graph).backward()
+    assert torch.equal(kept_graph.ref_logits, before)  # Policy.score: left as they were
+    policy.model.zero_grad()
+    ((_, _, batch),) = Scoring(policy, ro, None, with_token_kl=True, logits=True).parts()
     ref = batch.ref_logits
     kept = ref.clone()
     _loss(batch).backward()
