@@ -106,18 +106,27 @@ def test_both_choices_of_the_budget_give_the_same_scores_and_gradients(tmp_path,
 
 
 @pytest.mark.parametrize("option,precision", [("bf16", "bf16-mixed"), ("bf16_true", "bf16-true")])
-def test_bf16_on_a_cpu_without_bfloat16_is_refused_naming_hardware(tmp_path, monkeypatch, option, precision):
+def test_bf16_on_a_cpu_without_bfloat16_is_refused_naming_hardware(tmp_path, monkeypatch, capsys, option, precision):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = compose_cfg(tmp_path, [f"hardware={option}"])
     monkeypatch.setattr(device_checks, "cpu_bf16_supported", lambda: True)
-    check_config(cfg)  # a CPU with bfloat16: runs
+    check_config(cfg)  # a CPU with bfloat16: runs, nothing said
+    assert "emulated" not in capsys.readouterr().out
     monkeypatch.setattr(device_checks, "cpu_bf16_supported", lambda: False)
+    check_config(cfg)  # without native bfloat16 (an AVX2 CPU): runs emulated, said in one line
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and f"hardware.precision={precision} on a CPU without native bfloat16" in out, out
+    monkeypatch.setattr(device_checks, "cpu_bf16_runs", lambda: False)
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     msg = str(e.value)
-    assert msg.startswith(f"hardware.precision={precision} (hardware=bf16 or bf16_true) but this CPU ") and \
-        msg.endswith("use hardware=cpu") and "\n" not in msg, msg
+    assert msg.startswith(f"hardware.precision={precision} (hardware=bf16 or bf16_true) but bfloat16 products do not "
+                          "run on this CPU") and msg.endswith("use hardware=cpu") and "\n" not in msg, msg
     check_config(compose_cfg(tmp_path, ["hardware=cpu"]))  # float32 is never refused for it
+
+
+def test_a_bf16_product_runs_on_this_cpu():
+    assert device_checks.cpu_bf16_runs()
 
 
 def test_the_cpu_probe_answers_from_torch():
