@@ -45,6 +45,18 @@ def states(st) -> list[str]:
     return sorted(t.state.name for t in st.trials)
 
 
+def only_kid(out: Path):
+    """(the MLflow client, the one FINISHED run) of a one-trial sweep in `out` whose study COMPLETED."""
+    import optuna
+    (name,) = optuna.get_all_study_names(f"sqlite:///{out}/optuna.db")
+    st = study(out, name)
+    assert states(st) == ["COMPLETE"]
+    c = client(out)
+    (kid,) = kids(c, st.user_attrs["klbench.mlflow_parent_run_id"])  # one run for the two ranks
+    assert kid.info.status == "FINISHED"
+    return c, kid
+
+
 def sacct(*job_ids: str) -> list[dict[str, str]]:
     """Every attempt of these jobs (--duplicates lists requeued attempts too)."""
     out = subprocess.run(["sacct", "-n", "-P", "-X", "--duplicates", "-o", "JobID,State,Start,End",
@@ -281,13 +293,7 @@ def test_fsdp_trial_through_srun(slurm_cluster, tmp_path, tiny_arch):
              "task.max_steps=4", "task.val_every=2"]
     klbench(out, "-m", "sweep=rl_beta", *trial, *fsdp, ONE_BETA, "hydra.sweeper.n_trials=1", *SLURM,
             "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5")
-    import optuna
-    (name,) = optuna.get_all_study_names(f"sqlite:///{out}/optuna.db")
-    st = study(out, name)
-    assert states(st) == ["COMPLETE"]
-    c = client(out)
-    (kid,) = kids(c, st.user_attrs["klbench.mlflow_parent_run_id"])  # one run for the two ranks
-    assert kid.info.status == "FINISHED"
+    c, kid = only_kid(out)
     assert kid.data.params["hardware.strategy"] == "fsdp2"
     job = kid.data.tags["klbench.slurm_job"]
     folder = Path(kid.data.tags["klbench.run_dir"]).parent / ".submitit" / job

@@ -11,10 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_scaleout import klbench, states
-from test_sweeps import children as kids
+from test_scaleout import klbench, only_kid
 from test_sweeps import mlflow_client as client
-from test_sweeps import study
 
 pytestmark = pytest.mark.slurm
 
@@ -23,17 +21,6 @@ TWO = ["hydra/launcher=slurm", "hydra.launcher.partition=two", "hydra.launcher.n
        "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1", "hydra.launcher.gpus_per_node=0",
        "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=5"]
 ONE_BETA = 'hydra.sweeper.params={estimator.beta:"choice(0.1)"}'
-
-
-def only_kid(out: Path):
-    import optuna
-    (name,) = optuna.get_all_study_names(f"sqlite:///{out}/optuna.db")
-    st = study(out, name)
-    assert states(st) == ["COMPLETE"]
-    c = client(out)
-    (kid,) = kids(c, st.user_attrs["klbench.mlflow_parent_run_id"])  # one run for the two ranks
-    assert kid.info.status == "FINISHED"
-    return c, kid
 
 
 def assert_across_nodes(cluster, kid) -> None:
