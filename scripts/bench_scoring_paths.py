@@ -1,5 +1,5 @@
 """The two scoring paths side by side on a grid of head sizes (docs/scale.md, "Choosing the scoring path by its
-cost"): is model.logits_budget's choice within 5% of the faster path in every cell?
+cost"): is model.scoring_path=auto's choice within 5% of the faster path in every cell?
 
     python scripts/bench_scoring_paths.py                         # the grid: V x H x rows, both paths
     python scripts/bench_scoring_paths.py --rounds 5 --max-gib 12 # more rounds; cells up to 12 GiB of logits path
@@ -18,9 +18,10 @@ nat per position); float32 on the CPU. Each (cell, path) runs in a process of it
 warm-up then --rounds timed repetitions; the paths alternate which goes first, cell by cell and round by round.
 Peak: the resident set's high-water mark during one repetition above the set before it (/proc/self/clear_refs),
 glibc's mmap threshold fixed at 1 MiB so that freed blocks leave the resident set.
-Printed per cell: each path's median time and peak, hidden/logits, the budget's choice at --budget (the logits
-path where rows x V x 4 bytes fit), and whether the choice is within 5% of the faster path's time. Cells whose
-logits path would hold more than --max-gib are not run (said so).
+Printed per cell: each path's median time and peak, hidden/logits, auto's choice at --budget (LMPolicy's rule,
+klbench.models.logits_budget.logits_by_cost: the logits path where H >= 192 and rows x V x 4 bytes fit), and whether
+the choice is within 5% of the faster path's time, and of the faster path the budget allows. Cells whose logits
+path would hold more than --max-gib are not run (said so).
 """
 from __future__ import annotations
 
@@ -89,9 +90,11 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from klbench.models.logits_budget import logits_by_cost, size_bytes  # noqa: E402  pure Python, no torch
+
+
 def parse_size(text: str) -> int:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from klbench.models.logits_budget import size_bytes
     n = size_bytes(text)
     if n is None:
         sys.exit(f"bench_scoring_paths: --budget {text!r} is not a positive size")
@@ -121,7 +124,7 @@ def main() -> None:
     print(f"{os.cpu_count()} cores, torch threads: {a.threads or 'torch default'}; load average "
           f"{os.getloadavg()[0]:.2f}; budget {a.budget}; times: {a.judge}", flush=True)
     print(f"| V | H | rows | logits: {a.judge} time, peak | hidden: {a.judge} time, peak | hidden/logits | "
-          "budget picks | within 5% of the faster |\n|---|---|---|---|---|---|---|---|")
+          "auto picks | within 5% of the faster | of the faster within the budget |\n|---|---|---|---|---|---|---|---|---|")
     k = 0
     for V in a.vocab:
         for H in a.hidden:
@@ -130,7 +133,7 @@ def main() -> None:
                 if 3 * one_logits > a.max_gib * 2 ** 30:
                     print(f"| {V:,} | {H} | {N} | not run here: the logits path holds about "
                           f"{3 * one_logits / 2**30:.1f} GiB (> --max-gib {a.max_gib}) | | | "
-                          f"{'logits' if one_logits <= budget else 'hidden'} | |", flush=True)
+                          f"{'logits' if logits_by_cost(H, one_logits, budget) else 'hidden'} | | |", flush=True)
                     continue
                 res = {}
                 order = ("logits", "hidden") if k % 2 == 0 else ("hidden", "logits")
@@ -142,11 +145,13 @@ def main() -> None:
                         sys.exit(f"bench_scoring_paths: {V} {H} {N} {path} failed: {r.stderr.strip()[-800:]}")
                     res[path] = json.loads(r.stdout.strip().splitlines()[-1])
                 lt, ht = res["logits"][a.judge], res["hidden"][a.judge]
-                pick = "logits" if one_logits <= budget else "hidden"
+                pick = "logits" if logits_by_cost(H, one_logits, budget) else "hidden"
+                allowed = min(lt, ht) if one_logits <= budget else ht  # logits over the budget: not a choice
                 ok = res[pick][a.judge] <= 1.05 * min(lt, ht)
+                ok_budget = res[pick][a.judge] <= 1.05 * allowed
                 print(f"| {V:,} | {H} | {N} | {lt:.3f} s, {res['logits']['peak'] / 2**20:.0f} MiB | "
                       f"{ht:.3f} s, {res['hidden']['peak'] / 2**20:.0f} MiB | {ht / lt:.2f} | {pick} | "
-                      f"{'yes' if ok else 'NO'} |", flush=True)
+                      f"{'yes' if ok else 'NO'} | {'yes' if ok_budget else 'NO'} |", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -27,6 +27,6 @@ def test_a_bf16_true_run_trains_from_hidden_states(tmp_path, tiny_arch, capsys):
                                      "hardware=bf16_true", "task.max_steps=2", "task.val_every=2",
                                      "task.prompts_per_step=2", "task.n_samples=2", "task.max_new_tokens=6",
                                      "task.val_prompts=2", "logger=csv", "estimator=rb",
-                                     "model.logits_budget=1"]))  # the hidden states (a tiny model's logits would fit)
+                                     "model.scoring_path=hidden"]))
     assert math.isfinite(out["val/seq_kl"]) and out["val/seq_kl"] > 0
     assert "klbench: scoring from final hidden states" in capsys.readouterr().out

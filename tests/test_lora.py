@@ -46,8 +46,9 @@ def test_reference_is_the_base_bit_for_bit_and_one_copy(tmp_path, tiny_llama_dir
     ro = policy.rollout(["the film was", "a slow"], 3)
     batch = policy.score(ro)
     base, tok = load_causal_lm(tiny_llama_dir)  # the base, loaded on its own, scores the same rollout
-    # on the same scoring path as the policy's (model.logits_budget picks it by cost)
-    ref_logp = LMPolicy(base, base, tok, cfg.task.max_new_tokens, logits_budget=policy.logits_budget).score(ro).ref_logp
+    # on the same scoring path as the policy's (model.scoring_path and model.logits_budget pick it)
+    ref_logp = LMPolicy(base, base, tok, cfg.task.max_new_tokens, logits_budget=policy.logits_budget,
+                        scoring_path=policy.scoring_path).score(ro).ref_logp
     m = batch.mask
     assert torch.equal(batch.ref_logp[m], ref_logp[m])  # pi_ref is the separately loaded base, bit for bit
     assert not torch.allclose(batch.logp[m], batch.ref_logp[m])  # and the policy is not

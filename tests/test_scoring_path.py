@@ -1,8 +1,10 @@
-"""The scoring path by its cost (model.logits_budget, klbench.models.lm_policy.LMPolicy.logits_fit): the logits
-path where a micro-batch's float32 [m, max_new_tokens, V] logits fit the budget, the hidden states above it; the
-start-up line says which and why; both give the same scores and gradients; a budget that is no positive size, and a
-teacher's own budget, are refused in one line naming the key. hardware=bf16 on a CPU without bfloat16 is refused
-in one line naming hardware (klbench.config.device_checks)."""
+"""The scoring path (model.scoring_path, model.logits_budget; klbench.models.lm_policy.LMPolicy.takes_logits). auto,
+by cost: the logits path where a micro-batch's float32 [m, max_new_tokens, V] logits fit the budget and the LM head
+is at least 192 wide, the hidden states otherwise; logits and hidden: the path asked for, hidden refused where it
+cannot serve. The start-up line says which and why; both give the same scores and gradients; a budget that is no
+positive size, an unknown path, and a teacher's own budget or path, are refused in one line naming the key.
+hardware=bf16 on a CPU without bfloat16 runs emulated, said in one line, and is refused in one line naming hardware
+where a bf16 product does not run (klbench.config.device_checks)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +14,7 @@ import klbench.config.device_checks as device_checks
 from klbench.config.errors import ConfigError
 from klbench.config.schema import validate
 from klbench.estimators import gradient_estimator
-from klbench.models.logits_budget import size_bytes, size_text
+from klbench.models.logits_budget import NARROW_HEAD, size_bytes, size_text
 from klbench.models.policies import build_policy, task_sampling
 from klbench.tasks.train import check_config
 from test_config import compose_cfg
@@ -22,10 +24,20 @@ PROMPTS = ["the film was", "a slow and", "i liked"]
 NEW = 10
 
 
-def _policy(tmp_path, tiny_arch, budget: str):
-    path, ref = tiny_arch("qwen2")
+@pytest.fixture(scope="module")
+def wide_qwen(tmp_path_factory):
+    """(policy, reference) folders of a tiny Qwen2 whose LM head is NARROW_HEAD (192) wide: auto weighs its budget."""
+    from tiny_lms import save_chat_tokenizer, save_tiny_arch
+    root = tmp_path_factory.mktemp("wide_qwen")
+    tok = save_chat_tokenizer(root / "tokenizer")
+    return tuple(save_tiny_arch("qwen2", root / f"m{seed}", seed=seed, tokenizer=tok, width=NARROW_HEAD)
+                 for seed in (0, 1))
+
+
+def _policy(tmp_path, folders, budget: str, *more: str):
+    path, ref = folders
     cfg = compose_cfg(tmp_path, ["model=hf", f"model.name_or_path={path}", f"model.ref_name_or_path={ref}",
-                                 f"task.max_new_tokens={NEW}", f"model.logits_budget={budget}"])
+                                 f"task.max_new_tokens={NEW}", f"model.logits_budget={budget}", *more])
     validate(cfg)
     sampling, target = task_sampling(cfg.task)
     return build_policy(cfg.model, cfg.task.max_new_tokens, sampling=sampling, kl_target=target)
@@ -45,15 +57,23 @@ def test_a_budget_that_is_no_positive_size_is_refused_naming_the_key(tmp_path, v
     assert msg.startswith("model.logits_budget must be a positive size in bytes") and "\n" not in msg, msg
 
 
-def test_a_teachers_own_budget_is_refused(tmp_path):
-    validate(compose_cfg(tmp_path, ["experiment=distill", "model.logits_budget=1GiB"]))  # the student's: read
-    with pytest.raises(ConfigError, match=r"^teacher.logits_budget=1GiB: the pair is scored on one path"):
-        validate(compose_cfg(tmp_path, ["experiment=distill", "teacher.logits_budget=1GiB"]))
+@pytest.mark.parametrize("key,value", [("logits_budget", "1GiB"), ("scoring_path", "logits")])
+def test_a_teachers_own_budget_or_path_is_refused(tmp_path, key, value):
+    validate(compose_cfg(tmp_path, ["experiment=distill", f"model.{key}={value}"]))  # the student's: read
+    with pytest.raises(ConfigError, match=rf"^teacher.{key}={value}: the pair is scored on one path"):
+        validate(compose_cfg(tmp_path, ["experiment=distill", f"teacher.{key}={value}"]))
 
 
-def test_the_budget_chooses_the_path_at_its_edge_and_the_line_says_why(tmp_path, tiny_arch):
-    policy = _policy(tmp_path, tiny_arch, "1")
+def test_an_unknown_scoring_path_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(tmp_path, ["model.scoring_path=fast"]))
+    assert str(e.value).startswith("model.scoring_path") and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_budget_chooses_the_path_at_its_edge_and_the_line_says_why(tmp_path, wide_qwen):
+    policy = _policy(tmp_path, wide_qwen, "1")
     V, rows = policy.vocab, 6  # 3 prompts x 2 samples, scored in one micro-batch
+    assert policy.width == NARROW_HEAD  # the narrowest head whose budget auto weighs
     need = rows * NEW * V * 4  # bytes of the micro-batch's float32 [6, 10, V] logits
     assert policy.logits_bytes(rows) == need
     torch.manual_seed(0)
@@ -80,24 +100,57 @@ def test_the_budget_chooses_the_path_at_its_edge_and_the_line_says_why(tmp_path,
     assert policy.score(ro, logits=False).logits is None  # hidden states asked for: no logits kept
 
 
+def test_a_narrow_head_scores_from_hidden_states_whatever_the_budget(tmp_path, tiny_arch):
+    policy = _policy(tmp_path, tiny_arch("qwen2"), "1GiB")  # its logits fit the budget many times over
+    assert policy.width == 32 and policy.logits_bytes(6) < 2**30
+    torch.manual_seed(0)
+    ro = policy.rollout(PROMPTS, 2)
+    assert policy.scoring(ro, None, True).from_hidden is True
+    assert policy.scoring_line(None, 6) == (
+        "scoring from final hidden states: log-probs, the exact KL over the vocabulary and the entropy a tile at a "
+        "time, no [B, T, V] logits: the LM head is 32 wide, under 192, where they are the faster path or within a few "
+        "percent of it (model.scoring_path=logits asks for those; docs/scale.md)")
+
+
+@pytest.mark.parametrize("path,hidden", [("logits", False), ("hidden", True)])
+def test_the_path_asked_for_outranks_the_cost_and_the_line_says_so(tmp_path, tiny_arch, wide_qwen, path, hidden):
+    # logits on a narrow head (auto: hidden), hidden on a wide head whose logits fit (auto: logits)
+    policy = _policy(tmp_path, tiny_arch("qwen2") if path == "logits" else wide_qwen, "1GiB",
+                     f"model.scoring_path={path}")
+    torch.manual_seed(0)
+    ro = policy.rollout(PROMPTS, 2)
+    assert policy.scoring(ro, None, True).from_hidden is hidden
+    line = policy.scoring_line(None, 6)
+    assert line.startswith("scoring from final hidden states" if hidden else "scoring through the [m, L, V] logits")
+    assert line.endswith(f": model.scoring_path={path} (both paths are exact, docs/scale.md)"), line
+
+
+def test_hidden_asked_for_where_it_cannot_serve_is_refused_in_one_line(tmp_path, tiny_arch):
+    policy = _policy(tmp_path, tiny_arch("qwen2"), "1GiB", "model.scoring_path=hidden")
+    with pytest.raises(ConfigError) as e:
+        policy.scoring_line("estimator=topk_tail reads the whole next-token distribution", 6)
+    assert str(e.value) == ("model.scoring_path=hidden: estimator=topk_tail reads the whole next-token distribution, "
+                            "which needs the logits; use auto or logits")
+
+
 def _scores_and_grads(policy, ro):
     batch = policy.score(ro, with_token_kl=True)
     loss = gradient_estimator("rb")(batch).mean() + 0.3 * gradient_estimator("loo")(batch).mean()
     return batch, torch.autograd.grad(loss, policy.trainable())
 
 
-def test_both_choices_of_the_budget_give_the_same_scores_and_gradients(tmp_path, tiny_arch):
-    policy = _policy(tmp_path, tiny_arch, "1")
+def test_both_paths_give_the_same_scores_and_gradients(tmp_path, tiny_arch):
+    policy = _policy(tmp_path, tiny_arch("qwen2"), "1GiB")
     with torch.no_grad():  # pi away from pi_ref's start: a sizeable KL and gradient
         for p in policy.trainable():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     torch.manual_seed(0)
     ro = policy.rollout(PROMPTS, 2)
     hidden, g_hidden = _scores_and_grads(policy, ro)
-    assert hidden.logits is None  # 1 byte: the hidden states
-    policy.logits_budget = 2**30
+    assert hidden.logits is None  # auto at a 32-wide head: the hidden states
+    policy.scoring_path = "logits"
     logits, g_logits = _scores_and_grads(policy, ro)
-    assert logits.logits is not None  # 1 GiB: the logits path
+    assert logits.logits is not None
     for name in ("logp", "ref_logp", "token_kl"):
         a, b = getattr(hidden, name), getattr(logits, name)
         assert b.abs().max() > 1e-3 and torch.allclose(a, b, atol=2e-5), (name, float((a - b).abs().max()))

@@ -64,10 +64,11 @@ def save_chat_tokenizer(path):
     return fast
 
 
-def save_tiny_arch(arch: str, path, seed: int = 0, sharpen: float = 40.0, tokenizer=None) -> str:
+def save_tiny_arch(arch: str, path, seed: int = 0, sharpen: float = 40.0, tokenizer=None, width: int = 32) -> str:
     """A randomly initialised `arch` (a key of ARCHITECTURES) on the chat tokenizer, saved with save_pretrained
     beside it, with a generation_config listing both ends of text (an instruct model's stop-id list). sharpen
-    scales the output embeddings (untied everywhere): a fresh init's near-uniform logits made peaked."""
+    scales the output embeddings (untied everywhere): a fresh init's near-uniform logits made peaked. width: the
+    hidden size, the LM head's input."""
     import transformers
 
     tok = tokenizer or save_chat_tokenizer(path)
@@ -75,7 +76,7 @@ def save_tiny_arch(arch: str, path, seed: int = 0, sharpen: float = 40.0, tokeni
         tok.save_pretrained(path)
     name, extra = ARCHITECTURES[arch]
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = getattr(transformers, name)(vocab_size=len(tok), **_COMMON, **extra, **ids)
+    config = getattr(transformers, name)(vocab_size=len(tok), **{**_COMMON, "hidden_size": width}, **extra, **ids)
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)

@@ -72,6 +72,10 @@ class _LanguageModel(Options):
     # the scoring path by its cost (klbench.models.lm_policy, docs/scale.md): the [m, L, V] logits where a micro-batch's
     # float32 logits (m rows x task.max_new_tokens x V x 4 bytes) fit this size, the hidden states above it
     logits_budget: Annotated[Any, BeforeValidator(_size_bytes), Expect(SIZE)] = "256MiB"
+    # auto: by cost, the logits where the budget holds them and the LM head is at least 192 wide (narrower heads score
+    # faster from the hidden states); logits, hidden: that path (refused where it cannot serve, e.g. hidden under a
+    # top-k estimator)
+    scoring_path: Literal["auto", "logits", "hidden"] = "auto"
     # what the LM head's matrix product runs in, on every path (scoring, rollouts): float32 keeps kappa and the
     # log-probs exact to float32 under bf16 (docs/scale.md, "The head's precision"); autocast: the model's own
     # dtype under hardware=bf16 (bf16), as TRL's head runs unless cast_lm_head_to_fp32

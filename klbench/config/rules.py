@@ -89,10 +89,11 @@ def _check_micro_batch(cfg: DictConfig, t: TaskRL, e: BaseModel, model: str) -> 
     if OmegaConf.select(cfg, "teacher.gradient_checkpointing"):
         raise ConfigError("teacher.gradient_checkpointing=true: the teacher is the frozen pi_ref and computes no "
                           "gradient; checkpointing is the student's option (model.gradient_checkpointing)")
-    budget, declared = OmegaConf.select(cfg, "teacher.logits_budget"), _LanguageModel.model_fields["logits_budget"]
-    if budget is not None and budget != declared.default:  # the student's scoring path is the pair's
-        raise ConfigError(f"teacher.logits_budget={budget}: the pair is scored on one path, which the student's "
-                          "model.logits_budget chooses; leave the teacher's out")
+    for key in ("logits_budget", "scoring_path"):  # the student's scoring path is the pair's
+        value, declared = OmegaConf.select(cfg, f"teacher.{key}"), _LanguageModel.model_fields[key]
+        if value is not None and value != declared.default:
+            raise ConfigError(f"teacher.{key}={value}: the pair is scored on one path, which the student's "
+                              f"model.{key} chooses; leave the teacher's out")
     m = t.micro_batch_size
     if m is None:
         return

@@ -13,9 +13,11 @@ from klbench.estimators import KLBatch
 from klbench.estimators.sampling import Sampling, check_target
 from klbench.models.head import head_precision, read_head
 from klbench.models.interface import Policy, Rollout, response_mask
-from klbench.models.logits_budget import size_text
+from klbench.models.logits_budget import NARROW_HEAD, logits_by_cost, size_text
 from klbench.models.rollout import PLAIN, SAMPLERS, Sampler, stop_ids
 from klbench.models.scoring import Scoring
+
+SCORING_PATHS = ("auto", "logits", "hidden")  # model.scoring_path
 
 
 class LMPolicy(Policy):
@@ -23,10 +25,12 @@ class LMPolicy(Policy):
     sampling, kl_target: pi_s and the KL scored (klbench/estimators/sampling.py); eos_ids: the ids that end a
     response, every one of them (None: the tokenizer's eos_token_id). logits_budget: bytes (model.logits_budget) that
     a micro-batch's float32 [m, max_new_tokens, V] logits may take for the logits path to score it (by its cost: it
-    is the faster path where the logits are small, docs/scale.md); None: the hidden-state path wherever it serves."""
+    is the faster path where the logits are small and the head is wide, docs/scale.md); None: the hidden-state path
+    wherever it serves. scoring_path: model.scoring_path, "auto" (by cost) or the path a run asks for."""
 
     def __init__(self, model, ref_model, tokenizer, max_new_tokens: int, sampler: Sampler | str = "kv_cache",
-                 sampling: Sampling = PLAIN, kl_target: str = "sampler", eos_ids=None, logits_budget: int | None = None):
+                 sampling: Sampling = PLAIN, kl_target: str = "sampler", eos_ids=None, logits_budget: int | None = None,
+                 scoring_path: str = "auto"):
         super().__init__()
         self.model, self.ref, self.tok = model, ref_model, tokenizer
         self.ref.requires_grad_(False)
@@ -51,6 +55,9 @@ class LMPolicy(Policy):
                                           or logits_budget <= 0):
             raise ValueError(f"LMPolicy: logits_budget must be a positive number of bytes or None, got {logits_budget!r}")
         self.logits_budget = logits_budget
+        if scoring_path not in SCORING_PATHS:
+            raise ValueError(f"LMPolicy: scoring_path must be one of {SCORING_PATHS}, got {scoring_path!r}")
+        self.scoring_path = scoring_path
         self.rows_forwarded = 0  # sequences the policy has scored (the benchmarks count forwards per step)
         # model.head_dtype: what the LM head's product runs in, on every path (head_scores' LMHead.dtype, the logits
         # path and the rollouts through head_precision); None: autocast's, as the model's own head runs
@@ -111,7 +118,7 @@ class LMPolicy(Policy):
 
     def score(self, ro: Rollout, micro_batch_size: int | None = None, with_token_kl: bool = True,
               logits: bool | None = None) -> KLBatch:
-        # logits: True the logits path, False the hidden states where they serve, None the cheaper (logits_fit)
+        # logits: True the logits path, False the hidden states where they serve, None model.scoring_path's (takes_logits)
         # the parts' graphs are kept together: the caller backpropagates the whole batch (a step instead
         # backpropagates each part at once: klbench/tasks/step.py)
         scoring = Scoring(self, ro, micro_batch_size, with_token_kl, logits)
@@ -136,24 +143,36 @@ class LMPolicy(Policy):
                 return f"the {name} LM head cannot be read: {head}"
         return None
 
+    def _head_shape(self) -> tuple[int, int]:
+        """(V, H) of the policy's LM head: its output embedding's rows and columns (the config's where it has none)."""
+        from klbench.models.head import output_head
+        weight = getattr(output_head(self.model), "weight", None)
+        if weight is not None:
+            return int(weight.shape[0]), int(weight.shape[1])
+        text = self.model.config.get_text_config()
+        return int(text.vocab_size), int(text.hidden_size)
+
     @property
     def vocab(self) -> int:
-        """V: the size of the policy's next-token distribution (its output embedding's rows)."""
-        from klbench.models.head import output_head
-        head = output_head(self.model)
-        weight = getattr(head, "weight", None)
-        if weight is not None:
-            return int(weight.shape[0])
-        return int(self.model.config.get_text_config().vocab_size)
+        """V: the size of the policy's next-token distribution."""
+        return self._head_shape()[0]
+
+    @property
+    def width(self) -> int:
+        """H: the width of the LM head's input, the final hidden state."""
+        return self._head_shape()[1]
 
     def logits_bytes(self, rows: int) -> int:
         """Bytes of a micro-batch's float32 [rows, max_new_tokens, V] logits: what the logits path holds per tensor."""
         return rows * self.max_new_tokens * self.vocab * 4
 
-    def logits_fit(self, rows: int) -> bool:
-        """Whether a micro-batch of `rows` sequences takes the logits path by its cost: its float32 logits fit
-        logits_budget (the rule of model.logits_budget; the longest response counts, so a run keeps one path)."""
-        return self.logits_budget is not None and self.logits_bytes(rows) <= self.logits_budget
+    def takes_logits(self, rows: int) -> bool:
+        """Whether a micro-batch of `rows` sequences is scored through its logits, where both paths serve: the path
+        model.scoring_path asks for, or by cost (auto): the logits where the head is at least NARROW_HEAD wide and
+        the float32 logits fit logits_budget (the longest response counts, so a run keeps one path)."""
+        if self.scoring_path != "auto":
+            return self.scoring_path == "logits"
+        return logits_by_cost(self.width, self.logits_bytes(rows), self.logits_budget)
 
     @property
     def heads(self):
@@ -173,12 +192,20 @@ class LMPolicy(Policy):
         hidden = ("scoring from final hidden states: log-probs, the exact KL over the vocabulary and the entropy "
                   "a tile at a time, no [B, T, V] logits")
         if why is not None:
+            if self.scoring_path == "hidden":
+                raise ConfigError(f"model.scoring_path=hidden: {why}, which needs the logits; use auto or logits")
             return f"scoring through the full [B, T, V] logits: {why}"
+        if self.scoring_path != "auto":
+            asked = f"model.scoring_path={self.scoring_path} (both paths are exact, docs/scale.md)"
+            return f"scoring through the [m, L, V] logits: {asked}" if self.scoring_path == "logits" else f"{hidden}: {asked}"
         if self.logits_budget is None or rows is None:
             return hidden
+        if self.width < NARROW_HEAD:
+            return (f"{hidden}: the LM head is {self.width} wide, under {NARROW_HEAD}, where they are the faster path or "
+                    "within a few percent of it (model.scoring_path=logits asks for those; docs/scale.md)")
         shape = f"a micro-batch's float32 [{rows}, {self.max_new_tokens}, {self.vocab}] logits ({size_text(self.logits_bytes(rows))})"
         budget = f"model.logits_budget={size_text(self.logits_budget)}"
-        if self.logits_fit(rows):
+        if self.takes_logits(rows):
             return f"scoring through the [m, L, V] logits: {shape} fit {budget} (both paths are exact, docs/scale.md)"
         return f"{hidden}: {shape} exceed {budget}"
 
@@ -197,7 +224,7 @@ class LMPolicy(Policy):
 
     def reference(self) -> "LMPolicy":
         ref = LMPolicy(self.ref, self.ref, self.tok, self.max_new_tokens, self.sampler, self.sampling, self.kl_target,
-                       self.eos_ids, self.logits_budget)
+                       self.eos_ids, self.logits_budget, self.scoring_path)
         ref.add_special_tokens = self.add_special_tokens  # the same prompts, tokenized alike
         ref.head_dtype = self.head_dtype
         return ref

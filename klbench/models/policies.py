@@ -98,7 +98,7 @@ def build_policy(cfg, max_new_tokens: int, cache_root: str | None = None, teache
     sampling = _generation_sampling(cfg, path, options, sampling, notices)
     _warn_target(sampling, kl_target)
     policy = LMPolicy(model, ref, tok, max_new_tokens, sampling=sampling, kl_target=kl_target, eos_ids=eos_ids,
-                      logits_budget=size_bytes(cfg.logits_budget))  # the scoring path by its cost
+                      logits_budget=size_bytes(cfg.logits_budget), scoring_path=cfg.scoring_path)
     policy.head_dtype = torch.float32 if cfg.head_dtype == "float32" else None  # None: autocast's, as the model's
     return policy
 

@@ -5,8 +5,9 @@
         loss_fn(scoring.splice(part, i, j))   # the whole batch, rows i..j-1 live, the others frozen stand-ins
     scoring.whole()                           # every row's scores, assembled
 
-Two paths give the same numbers (tests/test_head_scores.py); by cost, the logits path scores a micro-batch whose
-float32 [m, L, V] logits fit model.logits_budget (LMPolicy.logits_fit), the hidden states one above it:
+Two paths give the same numbers (tests/test_head_scores.py); by cost (model.scoring_path=auto, LMPolicy.takes_logits),
+the logits path scores a micro-batch whose float32 [m, L, V] logits fit model.logits_budget and whose LM head is at
+least 192 wide, the hidden states any other:
 - **hidden states**: the policy's and the reference's final hidden states, and their LM heads
   (klbench.models.head), go to klbench.estimators.head_scores, which reduces the vocabulary a tile at a time.
   No [B, L, V] tensor exists, in forward or backward, for any estimator that reads log-probs, kappa and the
@@ -91,16 +92,16 @@ def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 class Scoring:
     """One rollout's scoring by an LMPolicy (the module docstring). with_token_kl: compute the exact per-position KL
     (the estimator differentiates it, or the step logs or controls with rb). logits: True the logits path (the probe
-    measures top-k estimators), False the hidden states wherever they serve, None the cheaper by model.logits_budget."""
+    measures top-k estimators), False the hidden states wherever they serve, None as model.scoring_path says (auto: the cheaper)."""
 
     def __init__(self, policy, ro, micro_batch_size: int | None, with_token_kl: bool, logits: bool | None = None):
         self.policy, self.ro, self.with_token_kl = policy, ro, with_token_kl
         B = ro.tokens.shape[0]
         m = B if micro_batch_size is None else min(B, int(micro_batch_size))
         self.cuts = [(i, min(B, i + m)) for i in range(0, B, m)]
-        # the logits path where it must serve (logits, a reason) or where a micro-batch's logits fit the budget (cheaper)
+        # the logits path where it must serve (logits, a reason) or where model.scoring_path takes it for m rows
         self.from_hidden = (policy.logits_reason is None and policy.scoring_reason is None
-                            and (logits is False or logits is None and not policy.logits_fit(m)))
+                            and (logits is False or logits is None and not policy.takes_logits(m)))
         self.kept: list[ScoredBatch] = []
         self.keep_graph = False  # parts(keep_graph=): the caller may backpropagate a part's graph more than once
         self.ref = self._reference() if self.from_hidden else None

@@ -251,7 +251,7 @@ def _run(policy, prompts: list[str], cfg: ProbeOptions, progress: bool, log) -> 
                     skipped[lab] = str(e)
         del batch
         # top-k estimators read the whole distributions: a language model then keeps its logits for them
-        # (None: the scoring path model.logits_budget picks)
+        # (None: the scoring path model.scoring_path picks)
         gbatch = policy.score(_sub_rollout(ro, grad_rows), logits=True if any(g.reads_logits for g in grads.values())
                               else None)
         live = [lab for lab in grads if lab not in skipped]
