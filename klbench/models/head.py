@@ -139,9 +139,11 @@ def head_precision(model, dtype: torch.dtype | None):
     """Inside the block the model's own LM head runs its product in `dtype` with autocast off for it, and returns
     logits in that dtype: model.head_dtype on the paths that call the model's head (rollouts, the logits path), as
     head_scores runs it on the hidden-state path (LMHead.dtype), so that both paths and the sampler see one pi.
-    dtype None, a float64 head, or a head that is no plain nn.Linear: the model's own head, unchanged."""
+    dtype None, a float64 head, a head that is no plain nn.Linear, or one that runs in dtype already (its weight's
+    dtype, autocast off): the model's own head, unchanged (no wrapper on every decode step of a float32 run)."""
     head = output_head(model)
-    if dtype is None or type(head) is not nn.Linear or head.weight.dtype == torch.float64:
+    if dtype is None or type(head) is not nn.Linear or head.weight.dtype == torch.float64 or (
+            head.weight.dtype == dtype and not torch.is_autocast_enabled(head.weight.device.type)):
         yield
         return
 
