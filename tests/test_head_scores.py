@@ -187,3 +187,27 @@ def test_each_gradient_alone_and_together(monkeypatch, which):
     exp = torch.autograd.grad(sum(pick[k][1].sum() for k in which.split("+")), (h, w))
     for a, e in zip(got, exp):
         assert torch.allclose(a, e, atol=1e-11), float((a - e).abs().max())
+
+
+def test_a_zero_upstream_gradient_gives_zeros_as_the_logits_path_does():
+    """loo's advantages at pi = pi_ref with no reward are all 0: its gradient is zeros, not None, on both paths.
+    AdamW skips a parameter whose grad is None (no weight decay, no step counted), so None would train the two
+    paths differently; it also left loo's optimizer without state in the V = 151,936 peaks (docs/scale.md)."""
+    g = torch.Generator().manual_seed(2)
+    N, H, V = 7, 5, 30
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g).requires_grad_()
+    b = torch.randn(V, generator=g).requires_grad_()
+    h_ref, y = torch.randn(N, H, generator=g), torch.randint(0, V, (N,), generator=g)
+    head, ref = LMHead(w, b), LMHead(torch.randn(V, H, generator=g))
+    for fused in (True, False):
+        for x in (h, w, b):
+            x.grad = None
+        if fused:
+            s = head_scores(h, head, y, h_ref, ref, with_token_kl=True)
+            lp, kappa = s.logp, s.kappa
+        else:
+            lp, _, kappa, _ = _unfused(h, head, y, h_ref, ref)
+        (0.0 * lp.sum() + 0.0 * kappa.sum()).backward()
+        for x in (h, w, b):
+            assert x.grad is not None and torch.equal(x.grad, torch.zeros_like(x)), fused

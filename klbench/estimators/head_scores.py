@@ -210,8 +210,14 @@ class _HeadScores(torch.autograd.Function):
         g_k = g_k if ctx.want_kappa else None
         grads_of = ctx.needs_input_grad[:3]
         g_l, g_k, g_e = (None if g is None or not g.any() else g.to(m.dtype).unsqueeze(-1) for g in (g_l, g_k, g_e))
-        if (g_l is None and g_k is None and g_e is None) or not any(grads_of):
+        if not any(grads_of):
             return (None,) * 13
+        if g_l is None and g_k is None and g_e is None:
+            # every upstream gradient 0 (loo's advantages at pi = pi_ref, no reward): the gradient is zeros, as the
+            # logits path's autograd gives, not None. An optimizer tells them apart: AdamW skips a None, with its
+            # weight decay and step count, and a run would train differently on the two paths
+            zeros = [torch.zeros_like(x) if need else None for x, need in zip((h, head.weight, head.bias), grads_of)]
+            return (*zeros,) + (None,) * 10
         acc, cd = m.dtype, ctx.cd
         N, V = h.shape[0], head.weight.shape[0]
         rb, vb = tile_shape(N, V, h.device)
